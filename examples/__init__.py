@@ -1,0 +1,1 @@
+"""Runnable examples for ort-trainer (run from the repository root, e.g. ``python -m examples.wikitext2``)."""

@@ -1,0 +1,3 @@
+from examples.wikitext2.train import main
+
+main()

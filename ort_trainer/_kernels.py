@@ -1,0 +1,542 @@
+"""CuPy launch wrappers for the flat-buffer kernels in ``kernels/*.cu`` (the GPU optimizer).
+
+Each ``kernels/<family>.cu`` is read once per process (``importlib.resources``), with
+``common.cuh`` pasted in place of its ``#include`` so that CuPy's on-disk cache key (a hash of
+the source text) follows header edits, compiled by NVRTC through ``cupy.RawModule(code=...,
+options=NVRTC_OPTIONS)`` once per device, and launched by the thin wrappers below, which check
+dtype, contiguity, sizes and device first. CuPy is imported on first use only: CPU-only installs
+import this module fine, and the first GPU call raises an ImportError that says what to install.
+
+Hooks called by ``_optimizers`` when ``xp`` is cupy (all launches go to the current stream of
+the arrays' device; nothing here synchronizes with the host):
+
+- ``layout_table(layout, family) -> LayoutTable``: the layout's group table (ranges and
+  hyperparameters, ``family`` 'sgd', 'adam' or 'lamb') on the current device, plus for Lamb the
+  chunk table and the scratch buffers. Build it once per optimizer.
+- ``sgd_step(table, params, grads, momentum, *, lr, grad_divisor=1.0, first_step)``
+- ``adam_step(table, params, grads, exp_avg, exp_avg_sq, *, step, lr, grad_divisor=1.0)``
+- ``lamb_step(table, params, grads, exp_avg, exp_avg_sq, *, step, lr, grad_divisor=1.0)``
+- ``sum_of_squares(grads, out=None) -> 0-d float64 cupy array``
+
+Arrays are contiguous cupy float32 arrays of the layout's size; ``step`` is the 1-based update
+index t; ``grad_divisor`` is a Python number or a one-element cupy array (any float dtype, e.g.
+the S returned by ``clip_divisor``), read on the device. Each step updates ``params`` and the
+state in place, never ``grads``, with one launch for all groups (three for Lamb).
+
+Also: ``clip_divisor(grads, max_norm, loss_scale=1.0, out=None) -> (S, N)`` (0-d float64 device
+arrays, two launches) and ``unscale_and_check_finite(grads, loss_scale, out=None,
+found_nonfinite=None) -> found_nonfinite`` (0-d int32 device array, 1 if any unscaled gradient
+is inf or NaN).
+
+Numerics: fp32 elementwise math with IEEE division and sqrt; CuPy appends ``-ftz=true`` to the
+options, so fp32 denormals flush to zero. Step-dependent scalars (bias corrections, lr * ratio)
+and every sum of squares are computed in double, in a fixed order (deterministic).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import math
+import threading
+
+import numpy as np
+
+#: Options for NVRTC (CuPy adds ``-arch`` for the device, and ``-ftz=true`` after these).
+#: tests/test_kernels_compile.py compiles every kernel with nvcc using these same options.
+NVRTC_OPTIONS = ("--std=c++17",)
+
+#: Mirrors of common.cuh's ORT_BLOCK, ORT_CHUNK, ORT_MAX_PARTIALS (checked by the compile test).
+BLOCK = 256
+CHUNK = 16384
+MAX_PARTIALS = 1024
+
+_BLOCKS_PER_SM = 32  # grid cap of the grid-stride kernels, per multiprocessor
+
+#: The ``extern "C"`` entry points of each kernel file.
+KERNELS = {
+    "sgd": ("ort_trainer_sgd_step_f32",),
+    "adam": ("ort_trainer_adam_step_f32",),
+    "lamb": ("ort_trainer_lamb_direction_f32", "ort_trainer_lamb_ratio_f32",
+             "ort_trainer_lamb_update_f32"),
+    "clip": ("ort_trainer_clip_sumsq_f32", "ort_trainer_clip_divisor_f32",
+             "ort_trainer_clip_unscale_f32"),
+}
+
+#: common.cuh's ``struct OrtGroup`` (112 bytes) and ``struct OrtChunk`` (24 bytes).
+GROUP_DTYPE = np.dtype({"names": ["start", "stop", "d", "f", "flags"],
+                        "formats": ["<i8", "<i8", ("<f8", (4,)), ("<f4", (12,)), ("<i4", (4,))],
+                        "offsets": [0, 8, 16, 48, 96], "itemsize": 112})
+CHUNK_DTYPE = np.dtype({"names": ["start", "stop", "seg", "group"],
+                        "formats": ["<i8", "<i8", "<i4", "<i4"],
+                        "offsets": [0, 8, 16, 20], "itemsize": 24})
+
+#: Where each hyperparameter sits in OrtGroup: name -> (field, index). Mirrors the
+#: ``#define ORT_<FAMILY>_<NAME> <index>  // <field>[<index>]`` lines of each .cu file.
+GROUP_FIELDS = {
+    "sgd": {"MOMENTUM": ("f", 0), "ONE_MINUS_DAMPENING": ("f", 1), "LAMBDA": ("f", 2),
+            "NESTEROV": ("flags", 0)},
+    "adam": {"ALPHA": ("f", 0), "ONE_MINUS_ALPHA": ("f", 1), "BETA": ("f", 2),
+             "ONE_MINUS_BETA": ("f", 3), "LAMBDA": ("f", 4), "EPSILON": ("f", 5),
+             "ALPHA_D": ("d", 0), "BETA_D": ("d", 1),
+             "BIAS_CORRECTION": ("flags", 0), "DECAY_MODE": ("flags", 1)},
+    "lamb": {"ALPHA": ("f", 0), "ONE_MINUS_ALPHA": ("f", 1), "BETA": ("f", 2),
+             "ONE_MINUS_BETA": ("f", 3), "LAMBDA": ("f", 4), "EPSILON": ("f", 5),
+             "ALPHA_D": ("d", 0), "BETA_D": ("d", 1), "RATIO_MIN": ("d", 2),
+             "RATIO_MAX": ("d", 3), "BIAS_CORRECTION": ("flags", 0)},
+}
+
+_INSTALL_HINT = "CuPy is required for the GPU optimizer: pip install 'ort-trainer[gpu]'"
+_INCLUDE = '#include "common.cuh"'
+_NULL = np.uint64(0)  # a null device pointer argument
+
+_cupy = None
+_cupy_error: ImportError | None = None
+_lock = threading.Lock()
+_modules: dict = {}  # (family, device id) -> cupy.RawModule
+_functions: dict = {}  # (kernel name, device id) -> cupy.RawKernel
+_sm_counts: dict = {}  # device id -> multiprocessor count
+
+
+# ----------------------------------------------------------------------------------------------
+# CuPy, sources, modules
+# ----------------------------------------------------------------------------------------------
+
+
+def _require_cupy():
+    """The cupy module; the recorded ImportError, with what to install, if it is missing."""
+    global _cupy, _cupy_error
+    if _cupy is not None:
+        return _cupy
+    if _cupy_error is None:
+        try:
+            import cupy
+        except ImportError as error:
+            _cupy_error = error
+        else:
+            _cupy = cupy
+            return cupy
+    raise ImportError(f"{_INSTALL_HINT} (import cupy failed: {_cupy_error})") from _cupy_error
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(family: str) -> str:
+    """The text NVRTC compiles for ``kernels/<family>.cu``: common.cuh pasted in, #line kept."""
+    if family not in KERNELS:
+        raise ValueError(f"kernel family must be one of {sorted(KERNELS)}, got {family!r}")
+    files = importlib.resources.files("ort_trainer.kernels")
+    lines = files.joinpath(f"{family}.cu").read_text(encoding="utf-8").splitlines()
+    common = files.joinpath("common.cuh").read_text(encoding="utf-8").rstrip("\n")
+    at = [k for k, line in enumerate(lines) if line.strip() == _INCLUDE]
+    if len(at) != 1:
+        raise ValueError(f"kernels/{family}.cu must contain the line {_INCLUDE!r} exactly once, "
+                         f"found it {len(at)} times")
+    k = at[0]
+    return "\n".join([f'#line 1 "{family}.cu"', *lines[:k], '#line 1 "common.cuh"', common,
+                      f'#line {k + 2} "{family}.cu"', *lines[k + 1:]]) + "\n"
+
+
+def _function(family: str, name: str, device_id: int):
+    """The kernel ``name`` of ``kernels/<family>.cu`` on a device, compiled once per process."""
+    key = (name, device_id)
+    function = _functions.get(key)
+    if function is None:
+        cp = _require_cupy()
+        with _lock:
+            function = _functions.get(key)
+            if function is None:
+                with cp.cuda.Device(device_id):
+                    module = _modules.get((family, device_id))
+                    if module is None:
+                        module = cp.RawModule(code=kernel_source(family), options=NVRTC_OPTIONS)
+                        _modules[(family, device_id)] = module
+                    function = module.get_function(name)
+                _functions[key] = function
+    return function
+
+
+def _sm_count(device_id: int) -> int:
+    count = _sm_counts.get(device_id)
+    if count is None:
+        cp = _require_cupy()
+        count = _sm_counts[device_id] = int(
+            cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+    return count
+
+
+def _grid_stride_blocks(n: int, device_id: int) -> int:
+    """Blocks for a grid-stride kernel over n elements taken 4 at a time."""
+    blocks = -(-(-(-n // 4)) // BLOCK)
+    return max(1, min(blocks, _sm_count(device_id) * _BLOCKS_PER_SM))
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _describe(array) -> str:
+    kind = f"{type(array).__module__}.{type(array).__name__}"
+    if hasattr(array, "dtype") and hasattr(array, "shape"):
+        return f"{kind} {array.dtype} {tuple(array.shape)}"
+    return kind
+
+
+def _check_float32(cp, where: str, what: str, array, size: int | None, device_id: int | None):
+    """A contiguous cupy float32 array (of ``size`` elements, on ``device_id``, when given)."""
+    if not isinstance(array, cp.ndarray):
+        raise TypeError(f"{where}: {what} must be a cupy.ndarray, got {_describe(array)}")
+    if array.dtype != np.float32:
+        raise TypeError(f"{where}: {what} must be float32, got {_describe(array)}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{where}: {what} must be C-contiguous, got a strided {_describe(array)}")
+    if size is not None and array.size != size:
+        raise ValueError(f"{where}: {what} must have {size} elements (the layout's size), "
+                         f"got {_describe(array)}")
+    if device_id is not None and array.device.id != device_id:
+        raise ValueError(f"{where}: {what} must be on cuda:{device_id}, "
+                         f"got one on cuda:{array.device.id}")
+
+
+def _device_scalar(cp, where: str, what: str, value, device_id: int):
+    """(pointer argument, value argument) for a kernel's ``const double* ptr, double value``.
+
+    A one-element cupy array is read on the device (converted to float64 on the device if
+    needed: no host sync); a Python number must be finite and > 0.
+    """
+    if isinstance(value, cp.ndarray):
+        if value.size != 1:
+            raise ValueError(f"{where}: {what} must be a number or a one-element cupy array, "
+                             f"got {_describe(value)}")
+        if value.device.id != device_id:
+            raise ValueError(f"{where}: {what} must be on cuda:{device_id}, "
+                             f"got one on cuda:{value.device.id}")
+        if value.dtype.kind != "f":
+            raise TypeError(f"{where}: {what} must be a floating-point array, got {_describe(value)}")
+        if value.dtype != np.float64:
+            with cp.cuda.Device(device_id):
+                value = value.astype(np.float64)
+        return value, np.float64(1.0)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: {what} must be a number or a one-element cupy array, "
+                        f"got {_describe(value)}") from None
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{where}: {what} must be finite and > 0, got {value!r}")
+    return _NULL, np.float64(number)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout tables
+# ----------------------------------------------------------------------------------------------
+
+
+def _hyper_values(family: str, hyper) -> dict:
+    """The OrtGroup fields of one group (derived values computed in double, then rounded)."""
+    if family == "sgd":
+        return {"MOMENTUM": float(hyper["momentum"]),
+                "ONE_MINUS_DAMPENING": 1.0 - float(hyper["dampening"]),
+                "LAMBDA": float(hyper["lambda_coef"]),
+                "NESTEROV": int(bool(hyper["nesterov"]))}
+    alpha, beta = float(hyper["alpha"]), float(hyper["beta"])
+    values = {"ALPHA": alpha, "ONE_MINUS_ALPHA": 1.0 - alpha, "BETA": beta,
+              "ONE_MINUS_BETA": 1.0 - beta, "LAMBDA": float(hyper["lambda_coef"]),
+              "EPSILON": float(hyper["epsilon"]), "ALPHA_D": alpha, "BETA_D": beta,
+              "BIAS_CORRECTION": int(bool(hyper["do_bias_correction"]))}
+    if family == "adam":
+        mode = int(hyper["weight_decay_mode"])
+        if mode not in (0, 1):
+            raise ValueError(f"weight_decay_mode must be 0 or 1, got {hyper['weight_decay_mode']!r}")
+        values["DECAY_MODE"] = mode
+    else:
+        values["RATIO_MIN"] = float(hyper["ratio_min"])
+        values["RATIO_MAX"] = float(hyper["ratio_max"])
+    return values
+
+
+def group_table(layout, family: str) -> np.ndarray:
+    """The host OrtGroup array (GROUP_DTYPE) of a layout for one kernel family."""
+    if family not in GROUP_FIELDS:
+        raise ValueError(f"family must be one of {sorted(GROUP_FIELDS)}, got {family!r}")
+    table = np.zeros(len(layout.groups), dtype=GROUP_DTYPE)
+    expected_start = 0
+    for index, group in enumerate(layout.groups):
+        if group.start != expected_start or group.stop <= group.start:
+            raise ValueError(f"layout.groups[{index}] must be a non-empty range starting at "
+                             f"{expected_start}, got [{group.start}, {group.stop})")
+        expected_start = group.stop
+        try:
+            values = _hyper_values(family, group.hyper)
+        except KeyError as error:
+            raise ValueError(f"layout.groups[{index}].hyper lacks {error.args[0]!r}, needed by the "
+                             f"{family} kernels") from None
+        row = table[index]
+        row["start"], row["stop"] = group.start, group.stop
+        for name, (field, k) in GROUP_FIELDS[family].items():
+            row[field][k] = values[name]
+    if expected_start != int(layout.seg_offsets[-1]):
+        raise ValueError(f"layout.groups must cover [0, {int(layout.seg_offsets[-1])}), "
+                         f"they stop at {expected_start}")
+    return table
+
+
+def chunk_table(layout) -> tuple[np.ndarray, np.ndarray]:
+    """(OrtChunk array, seg_chunk): pieces of at most CHUNK elements inside one segment each,
+    cut at segment boundaries and at multiples of CHUNK; seg_chunk[s]..seg_chunk[s + 1] are
+    segment s's chunks."""
+    offsets = np.asarray(layout.seg_offsets, dtype=np.int64)
+    nseg, n = offsets.size - 1, int(offsets[-1])
+    bounds = np.union1d(offsets, np.arange(0, n, CHUNK, dtype=np.int64))
+    starts, stops = bounds[:-1], bounds[1:]
+    seg = np.searchsorted(offsets, starts, side="right") - 1
+    group_of_seg = np.empty(nseg, dtype=np.int32)
+    for index, group in enumerate(layout.groups):
+        group_of_seg[group.seg_start:group.seg_stop] = index
+    if starts.size >= 2**31:
+        raise ValueError(f"{starts.size} chunks of {CHUNK} elements: too many for int32 indices")
+    chunks = np.zeros(starts.size, dtype=CHUNK_DTYPE)
+    chunks["start"], chunks["stop"] = starts, stops
+    chunks["seg"], chunks["group"] = seg, group_of_seg[seg]
+    seg_chunk = np.searchsorted(seg, np.arange(nseg + 1), side="left").astype(np.int32)
+    return chunks, seg_chunk
+
+
+class LayoutTable:
+    """A FlatLayout on one device for one kernel family (what ``layout_table`` returns).
+
+    Holds the group table, and for Lamb the chunk table and the scratch buffers of a step (the
+    direction d, per-chunk partial sums, per-segment lr * ratio): one step at a time per table.
+    """
+
+    def __init__(self, layout, family: str):
+        cp = _require_cupy()
+        if family not in GROUP_FIELDS:
+            raise ValueError(f"layout_table: family must be one of {sorted(GROUP_FIELDS)}, "
+                             f"got {family!r}")
+        self.family = family
+        self.device_id = cp.cuda.Device().id
+        self.size = int(layout.seg_offsets[-1])
+        self.nseg = int(len(layout.seg_offsets) - 1)
+        self.ngroups = len(layout.groups)
+        if self.nseg >= 2**31 or self.ngroups >= 2**31:
+            raise ValueError(f"layout_table: {self.nseg} segments: too many for int32 indices")
+        host_groups = group_table(layout, family)
+        with cp.cuda.Device(self.device_id):
+            self.groups = cp.asarray(host_groups.view(np.uint8))
+            if family == "lamb":
+                chunks, seg_chunk = chunk_table(layout)
+                self.nchunks = int(chunks.size)
+                self.chunks = cp.asarray(chunks.view(np.uint8))
+                self.seg_chunk = cp.asarray(seg_chunk)
+                self.partials = cp.empty(2 * self.nchunks, dtype=np.float64)
+                self.lr_ratio = cp.empty(self.nseg, dtype=np.float64)
+                self.direction = None  # N floats, allocated by the first step
+
+    def __repr__(self):
+        return (f"LayoutTable(family={self.family!r}, device=cuda:{self.device_id}, "
+                f"size={self.size}, segments={self.nseg}, groups={self.ngroups})")
+
+
+def layout_table(layout, family: str) -> LayoutTable:
+    """The device tables of ``layout`` for ``family`` ('sgd', 'adam', 'lamb'), on the current
+    device. Build once per optimizer and pass to every step."""
+    return LayoutTable(layout, family)
+
+
+def _check_step(cp, where, table, family, **arrays):
+    if not isinstance(table, LayoutTable) or table.family != family:
+        raise TypeError(f"{where}: table must be layout_table(layout, {family!r}), got {table!r}")
+    for what, array in arrays.items():
+        _check_float32(cp, where, what, array, table.size, table.device_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer steps
+# ----------------------------------------------------------------------------------------------
+
+
+def sgd_step(table: LayoutTable, params, grads, momentum, *, lr: float, grad_divisor=1.0,
+             first_step: bool) -> None:
+    """One SGD step in place (torch.optim.SGD semantics, see kernels/sgd.cu).
+
+    Args:
+        table: ``layout_table(layout, 'sgd')``.
+        params, grads, momentum: flat float32 buffers (momentum is neither read on the first step
+            nor written by groups whose momentum is 0).
+        lr: the learning rate.
+        grad_divisor: S in g = grads / S, a number or a one-element device array.
+        first_step: True on the first update (the momentum buffer starts at g).
+    """
+    cp = _require_cupy()
+    where = "sgd_step"
+    _check_step(cp, where, table, "sgd", params=params, grads=grads, momentum=momentum)
+    divisor_ptr, divisor_value = _device_scalar(cp, where, "grad_divisor", grad_divisor,
+                                                table.device_id)
+    kernel = _function("sgd", "ort_trainer_sgd_step_f32", table.device_id)
+    with cp.cuda.Device(table.device_id):
+        kernel((_grid_stride_blocks(table.size, table.device_id),), (BLOCK,),
+               (params, grads, momentum, table.groups, np.int32(table.ngroups),
+                np.int64(table.size), np.float64(lr), divisor_ptr, divisor_value,
+                np.int32(bool(first_step))))
+
+
+def adam_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float,
+              grad_divisor=1.0) -> None:
+    """One Adam step in place (the original AdamOptimizer, see kernels/adam.cu).
+
+    Args:
+        table: ``layout_table(layout, 'adam')``.
+        params, grads, exp_avg, exp_avg_sq: flat float32 buffers.
+        step: t, the 1-based index of this update (bias corrections 1 - alpha^t, 1 - beta^t).
+        lr: the learning rate.
+        grad_divisor: S in g = grads / S, a number or a one-element device array.
+    """
+    cp = _require_cupy()
+    where = "adam_step"
+    _check_step(cp, where, table, "adam", params=params, grads=grads, exp_avg=exp_avg,
+                exp_avg_sq=exp_avg_sq)
+    if step < 1:
+        raise ValueError(f"{where}: step must be >= 1 (t is 1-based), got {step!r}")
+    divisor_ptr, divisor_value = _device_scalar(cp, where, "grad_divisor", grad_divisor,
+                                                table.device_id)
+    kernel = _function("adam", "ort_trainer_adam_step_f32", table.device_id)
+    with cp.cuda.Device(table.device_id):
+        kernel((_grid_stride_blocks(table.size, table.device_id),), (BLOCK,),
+               (params, grads, exp_avg, exp_avg_sq, table.groups, np.int32(table.ngroups),
+                np.int64(table.size), np.float64(lr), np.int64(step), divisor_ptr,
+                divisor_value))
+
+
+def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float,
+              grad_divisor=1.0) -> None:
+    """One Lamb step in place (the original LambOptimizer, see kernels/lamb.cu): three launches
+    (direction + per-chunk sums of squares, per-tensor trust ratio, update).
+
+    Args:
+        table: ``layout_table(layout, 'lamb')``.
+        params, grads, exp_avg, exp_avg_sq: flat float32 buffers.
+        step: t, the 1-based index of this update.
+        lr: the learning rate.
+        grad_divisor: S in g = grads / S, a number or a one-element device array.
+    """
+    cp = _require_cupy()
+    where = "lamb_step"
+    _check_step(cp, where, table, "lamb", params=params, grads=grads, exp_avg=exp_avg,
+                exp_avg_sq=exp_avg_sq)
+    if step < 1:
+        raise ValueError(f"{where}: step must be >= 1 (t is 1-based), got {step!r}")
+    divisor_ptr, divisor_value = _device_scalar(cp, where, "grad_divisor", grad_divisor,
+                                                table.device_id)
+    direction_kernel, ratio_kernel, update_kernel = (
+        _function("lamb", name, table.device_id) for name in KERNELS["lamb"])
+    with cp.cuda.Device(table.device_id):
+        if table.direction is None:
+            table.direction = cp.empty(table.size, dtype=np.float32)
+        nchunks = np.int32(table.nchunks)
+        direction_kernel((table.nchunks,), (BLOCK,),
+                         (params, grads, exp_avg, exp_avg_sq, table.direction, table.groups,
+                          table.chunks, nchunks, np.int64(step), divisor_ptr, divisor_value,
+                          table.partials))
+        ratio_kernel((table.nseg,), (BLOCK,),
+                     (table.partials, table.chunks, table.seg_chunk, table.groups,
+                      np.int32(table.nseg), np.float64(lr), table.lr_ratio))
+        update_kernel((table.nchunks,), (BLOCK,),
+                      (params, table.direction, table.chunks, nchunks, table.lr_ratio))
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient preparation
+# ----------------------------------------------------------------------------------------------
+
+
+def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out):
+    """out = [sum of squares, N, S] (float64, on grads' device): two launches."""
+    cp = _require_cupy()
+    _check_float32(cp, where, "grads", grads, None, None)
+    device_id = grads.device.id
+    with cp.cuda.Device(device_id):
+        if out is None:
+            out = cp.empty(3, dtype=np.float64)
+        elif (not isinstance(out, cp.ndarray) or out.dtype != np.float64 or out.shape != (3,)
+              or not out.flags.c_contiguous or out.device.id != device_id):
+            raise ValueError(f"{where}: out must be a contiguous float64 cupy array of shape (3,) "
+                             f"on cuda:{device_id}, got {_describe(out)}")
+        n = int(grads.size)
+        nparts = 0 if n == 0 else min(MAX_PARTIALS, -(-(-(-n // 4)) // BLOCK))
+        partials = cp.empty(max(nparts, 1), dtype=np.float64)
+        if nparts:
+            _function("clip", "ort_trainer_clip_sumsq_f32", device_id)(
+                (nparts,), (BLOCK,), (grads, np.int64(n), partials))
+        _function("clip", "ort_trainer_clip_divisor_f32", device_id)(
+            (1,), (BLOCK,), (partials, np.int32(nparts), np.float64(max_norm),
+                             np.float64(loss_scale), out))
+    return out
+
+
+def sum_of_squares(grads, out=None):
+    """sum(grads**2) as a 0-d float64 device array (squares and sums in double, deterministic).
+
+    Args:
+        grads: a contiguous cupy float32 array.
+        out: optional float64 cupy array of shape (3,) for the result ([sum, norm, 1.0]).
+    """
+    return _reduce_grads("sum_of_squares", grads, math.inf, 1.0, out)[0]
+
+
+def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None):
+    """The clip divisor S on the device: S = loss_scale; N = ||grads||_2; if N > S * max_norm:
+    S = N / max_norm. Same rule as ``_optimizers.clip_divisor``, in two launches, no host sync.
+
+    Args:
+        grads: a contiguous cupy float32 array.
+        max_norm: the clip norm, > 0.
+        loss_scale: the loss scale the gradients carry, > 0 (1.0 without mixed precision).
+        out: optional float64 cupy array of shape (3,), filled with [N**2, N, S].
+
+    Returns:
+        (S, N): 0-d float64 views of ``out``; pass S as ``grad_divisor`` to a step.
+    """
+    where = "clip_divisor"
+    if not max_norm > 0:
+        raise ValueError(f"{where}: max_norm must be > 0, got {max_norm!r}")
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"{where}: loss_scale must be finite and > 0, got {loss_scale!r}")
+    out = _reduce_grads(where, grads, float(max_norm), float(loss_scale), out)
+    return out[2], out[1]
+
+
+def unscale_and_check_finite(grads, loss_scale, out=None, found_nonfinite=None):
+    """Mixed precision: out = grads / loss_scale, and a device flag set if any result is inf/NaN.
+
+    Args:
+        grads: a contiguous cupy float32 array.
+        loss_scale: a number > 0 or a one-element device array.
+        out: where to write (a float32 array of the same size); default: grads, in place.
+        found_nonfinite: optional int32 one-element cupy array for the flag (zeroed here).
+
+    Returns:
+        found_nonfinite: 0 if every result is finite, else 1 (read it when the step is done).
+    """
+    cp = _require_cupy()
+    where = "unscale_and_check_finite"
+    _check_float32(cp, where, "grads", grads, None, None)
+    device_id = grads.device.id
+    n = int(grads.size)
+    if out is None:
+        out = grads
+    _check_float32(cp, where, "out", out, n, device_id)
+    scale_ptr, scale_value = _device_scalar(cp, where, "loss_scale", loss_scale, device_id)
+    with cp.cuda.Device(device_id):
+        if found_nonfinite is None:
+            found_nonfinite = cp.zeros((), dtype=np.int32)
+        elif (not isinstance(found_nonfinite, cp.ndarray) or found_nonfinite.dtype != np.int32
+              or found_nonfinite.size != 1 or found_nonfinite.device.id != device_id):
+            raise ValueError(f"{where}: found_nonfinite must be a one-element int32 cupy array "
+                             f"on cuda:{device_id}, got {_describe(found_nonfinite)}")
+        else:
+            found_nonfinite.fill(0)
+        if n:
+            _function("clip", "ort_trainer_clip_unscale_f32", device_id)(
+                (_grid_stride_blocks(n, device_id),), (BLOCK,),
+                (grads, out, np.int64(n), scale_ptr, scale_value, found_nonfinite))
+    return found_nonfinite

@@ -1,0 +1,111 @@
+"""ORTTrainerOptions: the legacy options tree, validated by ``schemas/options.yaml``."""
+import pprint
+
+from ._validation import load_schema, validate
+
+# Options that validate but are not implemented yet: path -> feature. Any value other than the
+# default raises NotImplementedError. Remove an entry when its feature lands.
+_NOT_YET_SUPPORTED = {
+    "batch.gradient_accumulation_steps": "gradient accumulation",
+    "distributed.world_rank": "distributed training",
+    "distributed.world_size": "distributed training",
+    "distributed.local_rank": "distributed training",
+    "distributed.data_parallel_size": "data parallelism",
+    "distributed.horizontal_parallel_size": "Megatron horizontal parallelism",
+    "distributed.pipeline_parallel.pipeline_parallel_size": "pipeline parallelism",
+    "distributed.pipeline_parallel.num_pipeline_micro_batches": "pipeline parallelism",
+    "distributed.pipeline_parallel.pipeline_cut_info_string": "pipeline parallelism",
+    "distributed.pipeline_parallel.sliced_schema": "pipeline parallelism",
+    "distributed.pipeline_parallel.sliced_axes": "pipeline parallelism",
+    "distributed.pipeline_parallel.sliced_tensor_names": "pipeline parallelism",
+    "distributed.allreduce_post_accumulation": "distributed training",
+    "distributed.deepspeed_zero_optimization.stage": "ZeRO optimizer sharding",
+    "distributed.enable_adasum": "Adasum",
+    "lr_scheduler": "LR schedulers",
+    "mixed_precision.enabled": "mixed precision",
+    "mixed_precision.loss_scaler": "loss scaling",
+    "graph_transformer.attn_dropout_recompute": "recomputation",
+    "graph_transformer.gelu_recompute": "recomputation",
+    "graph_transformer.transformer_layer_recompute": "recomputation",
+    "graph_transformer.number_recompute_layers": "recomputation",
+    "graph_transformer.allow_layer_norm_mod_precision": "mixed precision",
+    "graph_transformer.propagate_cast_ops_config.strategy": "cast propagation",
+    "graph_transformer.propagate_cast_ops_config.level": "cast propagation",
+    "graph_transformer.propagate_cast_ops_config.allow": "cast propagation",
+    "utils.invertible_layer_norm_gradient": "invertible LayerNorm gradient",
+    "utils.run_symbolic_shape_infer": "symbolic shape inference",
+    "utils.memory_efficient_gradient": "memory-efficient gradient",
+    "_internal_use.enable_internal_postprocess": "disabling the internal postprocess",
+    "_internal_use.extra_postprocess": "extra postprocess",
+    "_internal_use.enable_onnx_contrib_ops": "disabling ONNX contrib ops",
+}
+
+_PREFIX = "Invalid options"
+
+
+def _lookup(options: dict, path: str):
+    for key in path.split("."):
+        options = options[key]
+    return options
+
+
+class _OptionGroup:
+    """Read-only attribute view of one validated options group; nested groups become nested views."""
+
+    def __init__(self, path: str, values: dict, schema: dict):
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_values", values)
+        for key, value in values.items():
+            # Groups have a sub-schema; free-form maps (provider_options, sliced_axes, ...) stay dicts.
+            sub_schema = schema[key].get("schema")
+            if isinstance(sub_schema, dict) and isinstance(value, dict):
+                value = _OptionGroup(f"{path}.{key}".lstrip("."), value, sub_schema)
+            object.__setattr__(self, key, value)
+
+    def __setattr__(self, key, value):
+        path = f"{self._path}.{key}".lstrip(".")
+        raise AttributeError(f"options are read-only (tried to set {path}); create new ORTTrainerOptions")
+
+    def __repr__(self):
+        return f"OptionGroup({self._path!r}, {pprint.pformat(self._values, sort_dicts=False)})"
+
+
+class ORTTrainerOptions(_OptionGroup):
+    """Training options, the original ``ORTTrainerOptions`` tree (schema: ``schemas/options.yaml``).
+
+    Omitted keys get their defaults; nested groups read as attributes
+    (``opts.utils.grad_norm_clip``, ``opts.distributed.deepspeed_zero_optimization.stage``) and the
+    full normalized dict is ``opts._validated_opts``. Differences from the original:
+
+    - ``device.id`` defaults to ``'cpu'`` (the original defaulted to ``'cuda'``); it must be
+      ``'cpu'``, ``'cuda'`` or ``'cuda:N'``.
+    - ``_internal_use.onnx_opset_version`` defaults to 14 and allows 14..17 (original: 12, 12..13).
+    - New: ``utils.memory_efficient_gradient`` (False), ``utils.max_cached_graphs`` (8: bound on the
+      per-input-shape graph cache) and ``utils.dynamic_shapes`` (False).
+    - Options whose features are not implemented yet raise ``NotImplementedError`` when set to a
+      non-default value (see ``_NOT_YET_SUPPORTED``).
+
+    Args:
+        options: nested dict of options, or None for all defaults.
+
+    Raises:
+        TypeError: ``options`` is not a dict.
+        ValueError: ``"Invalid options: <path>: <constraint>, got <value>; ..."`` for every bad field.
+        NotImplementedError: an option that is not supported yet has a non-default value.
+    """
+
+    def __init__(self, options: dict | None = None):
+        validated = validate("options", {} if options is None else options, _PREFIX)
+        defaults = validate("options", {}, _PREFIX)
+        unsupported = [
+            f"{path}={_lookup(validated, path)!r} ({feature})"
+            for path, feature in sorted(_NOT_YET_SUPPORTED.items())
+            if _lookup(validated, path) != _lookup(defaults, path)
+        ]
+        if unsupported:
+            raise NotImplementedError(f"Option(s) not supported yet: {', '.join(unsupported)}")
+        super().__init__("", validated, load_schema("options"))
+        object.__setattr__(self, "_validated_opts", validated)
+
+    def __repr__(self):
+        return f"ORTTrainerOptions({pprint.pformat(self._validated_opts, sort_dicts=False)})"

@@ -1,0 +1,30 @@
+"""Checks that ONNX Runtime's *training* build is importable, and says what to install if not."""
+from importlib import metadata
+
+_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnxruntime-training-cpu")
+_INSTALL = "pip install 'ort-trainer[cpu]' (CPU) or 'ort-trainer[gpu]' (CUDA)"
+
+
+def _installed():
+    found = []
+    for name in _DISTRIBUTIONS:
+        try:
+            found.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def require_training_build():
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"ort-trainer needs ONNX Runtime's training build, and onnxruntime is not "
+                          f"importable ({error}): {_INSTALL}") from error
+    try:
+        from onnxruntime.capi._pybind_state import GradientGraphBuilder  # noqa: F401
+    except ImportError as error:
+        installed = ", ".join(_installed()) or "an onnxruntime build"
+        raise ImportError(f"ort-trainer needs ONNX Runtime's training build, but {installed} is installed, "
+                          f"an inference-only build without the gradient builder. Uninstall it, then "
+                          f"{_INSTALL}") from error

@@ -1,0 +1,128 @@
+"""ONNX Runtime sessions bound to the flat buffers, one compiled graph per input signature."""
+from collections import OrderedDict
+
+import numpy as np
+import onnxruntime
+import torch
+
+from ._graph import builder_session_options
+
+_ORT_TYPE_TO_TORCH = {
+    "tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32,
+    "tensor(int8)": torch.int8, "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool,
+}
+_TORCH_TO_NUMPY = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+    torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
+
+
+def _pointer(array):
+    """Device address of a NumPy or CuPy array's first element."""
+    if isinstance(array, np.ndarray):
+        return array.ctypes.data
+    return array.data.ptr
+
+
+class Placement:
+    """Where the graphs run: the ORT device name and index, providers and the torch device."""
+
+    def __init__(self, device_id, threads, deterministic):
+        self.device_id = device_id
+        self.torch_device = torch.device(device_id)
+        self.ort_device = self.torch_device.type
+        self.index = self.torch_device.index or 0
+        if self.ort_device != "cpu":
+            raise NotImplementedError(f"device.id={device_id!r}: the CUDA training path is not supported yet; use 'cpu'")
+        self.providers = ["CPUExecutionProvider"]
+        self.threads = threads
+        self.deterministic = deterministic
+
+    def session_options(self):
+        options = builder_session_options()
+        options.intra_op_num_threads = self.threads
+        options.use_deterministic_compute = self.deterministic
+        return options
+
+    def bind(self, binding, name, is_output, dtype, shape, pointer):
+        bind = binding.bind_output if is_output else binding.bind_input
+        bind(name, self.ort_device, self.index, dtype, list(shape), pointer)
+
+
+class CompiledGraph:
+    """The training and eval sessions for one input signature (sessions built on first use).
+
+    Parameters, gradients and frozen weights are bound once per session; each run binds only
+    the caller's inputs (zero copy) and fresh output tensors.
+    """
+
+    def __init__(self, training_graph, eval_graph, placement, flat, frozen, input_names, output_names):
+        self._graphs = {True: training_graph, False: eval_graph}
+        self._placement = placement
+        self._flat = flat
+        self._frozen = frozen
+        self._input_names = input_names
+        self._output_names = output_names
+        self._sessions = {}
+
+    def _session(self, training):
+        if training not in self._sessions:
+            session = onnxruntime.InferenceSession(
+                self._graphs.pop(training), self._placement.session_options(),
+                providers=self._placement.providers)
+            binding = session.io_binding()
+            graph_inputs = {i.name for i in session.get_inputs()}
+            for name in self._flat.names:
+                if name in graph_inputs:
+                    self._placement.bind(binding, name, False, np.float32, self._flat.shapes[name],
+                                         _pointer(self._flat.param_view(name)))
+                if training:
+                    self._placement.bind(binding, f"{name}_grad", True, np.float32, self._flat.shapes[name],
+                                         _pointer(self._flat.grad_view(name)))
+            for name, tensor in self._frozen.items():
+                if name in graph_inputs:
+                    self._placement.bind(binding, name, False, _TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
+                                         tensor.data_ptr())
+            outputs = {o.name: o for o in session.get_outputs()}
+            specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], outputs[name].shape) for name in self._output_names]
+            self._sessions[training] = (session, binding, graph_inputs, specs)
+        return self._sessions[training]
+
+    def run(self, training, inputs):
+        """Runs one step on the bound buffers; returns the user outputs as new torch tensors."""
+        session, binding, graph_inputs, specs = self._session(training)
+        for name, tensor in zip(self._input_names, inputs):
+            if name in graph_inputs:
+                self._placement.bind(binding, name, False, _TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
+                                     tensor.data_ptr())
+        outputs = []
+        for name, (dtype, shape) in zip(self._output_names, specs):
+            tensor = torch.empty(shape, dtype=dtype, device=self._placement.torch_device)
+            self._placement.bind(binding, name, True, _TORCH_TO_NUMPY[dtype], shape, tensor.data_ptr())
+            outputs.append(tensor)
+        session.run_with_iobinding(binding)
+        return outputs
+
+
+class GraphCache:
+    """A bounded least-recently-used cache of compiled graphs keyed by input signature."""
+
+    def __init__(self, capacity):
+        self._capacity = capacity
+        self._graphs = OrderedDict()
+
+    def get(self, signature):
+        graph = self._graphs.get(signature)
+        if graph is not None:
+            self._graphs.move_to_end(signature)
+        return graph
+
+    def put(self, signature, graph):
+        self._graphs[signature] = graph
+        while len(self._graphs) > self._capacity:
+            self._graphs.popitem(last=False)
+
+    def __len__(self):
+        return len(self._graphs)

@@ -1,0 +1,246 @@
+"""ORTTrainer: orchestration of export, compiled graphs, flat buffers and the optimizer."""
+import warnings
+
+import numpy as np
+import torch
+
+from . import _export
+from ._flat import FlatParameters
+from ._graph import build_graphs
+from ._model_desc import parse_model_desc
+from ._optimizers import clip_divisor, make_optimizer
+from ._options import ORTTrainerOptions
+from ._session import CompiledGraph, GraphCache, Placement
+from .optim._config import _OptimizerConfig
+
+
+class TrainStepInfo:
+    """Step counters handed to LR schedulers and loss scalers.
+
+    `step` counts train_step calls; `optimization_step` counts applied optimizer updates.
+    """
+
+    def __init__(self, optimizer_config, all_finite=True, fetches=None, optimization_step=0, step=0):
+        self.optimizer_config = optimizer_config
+        self.all_finite = all_finite
+        self.fetches = list(fetches or [])
+        self.optimization_step = optimization_step
+        self.step = step
+
+
+class ORTTrainer:
+    """Trains a torch model as one ONNX Runtime training graph (forward + loss + backward).
+
+    Args:
+        model: the `torch.nn.Module` to train. Its trainable parameters become views of the
+            trainer's flat buffer, so `model.state_dict()` always holds the trained weights.
+        model_desc: `{'inputs': [(name, shape[, dtype])], 'outputs': [(name, shape[, is_loss])]}`;
+            string dims are dynamic, exactly one output is the loss (first when `loss_fn` is given).
+        optim_config: `optim.SGDConfig`, `optim.AdamConfig` or `optim.LambConfig`.
+        loss_fn: `loss_fn(model_output, *labels)`, traced into the same graph; the trailing
+            inputs that `model.forward` does not take are the labels. `None`: the model's own
+            output flagged `is_loss` is the loss.
+        options: `ORTTrainerOptions` or a dict for it. Note `utils.grad_norm_clip` defaults to
+            True (as in the original): gradients are clipped to `optim_config.max_norm_clip`
+            (default 1.0) by global norm unless you turn it off.
+
+    The graphs are exported and compiled lazily, on the first step, from that batch; one graph
+    is kept per distinct input shape (a bounded cache), all sharing the same weights.
+    """
+
+    def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optim_config, _OptimizerConfig):
+            raise TypeError("optim_config must be an optim.SGDConfig, optim.AdamConfig or optim.LambConfig, "
+                            f"got {type(optim_config).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+        if options is None or isinstance(options, dict):
+            options = ORTTrainerOptions(options)
+        elif not isinstance(options, ORTTrainerOptions):
+            raise TypeError(f"options must be an ORTTrainerOptions or a dict, got {type(options).__name__}")
+        desc = parse_model_desc(model_desc)
+        if loss_fn is not None and desc.loss_index != 0:
+            raise ValueError("Invalid model_desc: with a loss_fn the loss must be the first output, "
+                             f"got is_loss on output {desc.loss_index} ({desc.output_names[desc.loss_index]!r})")
+
+        self.model = model
+        self.model_desc = desc
+        self.optim_config = optim_config
+        self.loss_fn = loss_fn
+        self.options = options
+        self._num_model_inputs = _export.count_model_inputs(model, desc.input_names, loss_fn is not None)
+        if loss_fn is not None and self._num_model_inputs == len(desc.inputs):
+            raise ValueError("Invalid model_desc: with a loss_fn at least one input must be a label, "
+                             f"but every input {list(desc.input_names)} goes to model.forward")
+        named = dict(model.named_parameters())
+        frozen = list(options.utils.frozen_weights)
+        unknown = sorted(set(frozen) - set(named))
+        if unknown:
+            raise ValueError(f"Invalid options: utils.frozen_weights names unknown parameters {unknown}; "
+                             f"the model's parameters are {_first(named)}")
+        self._frozen_names = set(frozen) | {name for name, p in named.items() if not p.requires_grad}
+        # Validates param groups now (unknown names fail here, before any work).
+        optim_config.resolve_groups([name for name in named if name not in self._frozen_names])
+
+        self._placement = Placement(options.device.id, torch.get_num_threads(),
+                                    options.debug.deterministic_compute)
+        self._graphs = GraphCache(options.utils.max_cached_graphs)
+        self._input_dtypes = None
+        self._flat = None
+        self._frozen = None
+        self._optimizer = None
+        self._train_step_info = TrainStepInfo(optim_config)
+
+    # ---------------------------------------------------------------- steps
+    def train_step(self, *args, **kwargs):
+        """Forward, loss, backward, (clip) and one optimizer update. Returns the outputs of
+        model_desc in order (one output bare, several as a list)."""
+        inputs, signature = self._prepare_inputs("train_step", args, kwargs)
+        graph = self._graph_for(signature, inputs)
+        outputs = graph.run(True, inputs)
+        divisor = 1.0
+        if self.options.utils.grad_norm_clip:
+            divisor, _ = clip_divisor(self._flat.grads, self.optim_config.max_norm_clip)
+        self._optimizer.step(self._flat.params, self._flat.grads, self.optim_config.lr, divisor)
+        self._train_step_info.step += 1
+        self._train_step_info.optimization_step += 1
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def eval_step(self, *args, **kwargs):
+        """Forward and loss with dropout off; no gradient, no update, no step counted."""
+        inputs, signature = self._prepare_inputs("eval_step", args, kwargs)
+        outputs = self._graph_for(signature, inputs).run(False, inputs)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # ---------------------------------------------------------------- inputs
+    def _prepare_inputs(self, method, args, kwargs):
+        """Checks the caller's inputs against model_desc; returns (tensors, signature)."""
+        desc = self.model_desc
+        if len(args) == 1 and isinstance(args[0], (list, tuple)) and len(desc.inputs) > 1:
+            args = tuple(args[0])
+        expected = list(desc.input_names)
+        unknown = sorted(set(kwargs) - set(expected))
+        if unknown:
+            raise TypeError(f"{method}() got unexpected keyword inputs {unknown}; model_desc inputs are {expected}")
+        given = dict(zip(expected, args))
+        twice = sorted(set(given) & set(kwargs))
+        if twice:
+            raise TypeError(f"{method}() got inputs {twice} both by position and by keyword")
+        given.update(kwargs)
+        if len(args) > len(expected) or len(given) != len(expected):
+            raise TypeError(f"{method}() expects {len(expected)} inputs {expected}, "
+                            f"got {len(args) + len(kwargs)}")
+        tensors, named_dims = [], {}
+        for index, spec in enumerate(desc.inputs):
+            tensor = self._as_tensor(method, spec.name, given[spec.name])
+            expected_dtype = spec.dtype or (self._input_dtypes and self._input_dtypes[index])
+            if expected_dtype and tensor.dtype != expected_dtype:
+                origin = "model_desc" if spec.dtype else "the first batch"
+                raise TypeError(f"{method}(): input {spec.name!r} has dtype {tensor.dtype}, "
+                                f"expected {expected_dtype} (from {origin})")
+            _check_shape(method, spec, tuple(tensor.shape), named_dims)
+            tensors.append(tensor.contiguous())
+        signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        return tensors, signature
+
+    def _as_tensor(self, method, name, value):
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(value)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{method}(): input {name!r} must be a torch.Tensor or numpy.ndarray, "
+                            f"got {type(value).__name__}")
+        if value.device != self._placement.torch_device:
+            raise ValueError(f"{method}(): input {name!r} is on {value.device}, but the trainer runs on "
+                             f"{self._placement.torch_device} (options.device.id)")
+        return value
+
+    # ---------------------------------------------------------------- graphs
+    def _graph_for(self, signature, inputs):
+        graph = self._graphs.get(signature)
+        if graph is not None:
+            return graph
+        if self._flat is None:
+            self._refuse_mutated_buffers(inputs)
+        exported = _export.export_training_model(
+            self.model, self.loss_fn, self._num_model_inputs, self.model_desc.input_names,
+            self.model_desc.output_names, inputs, self.options._internal_use.onnx_opset_version)
+        if self._flat is None:
+            self._create_buffers({i.name for i in exported.graph.initializer})
+        training, evaluation = build_graphs(
+            exported, self._flat.names, list(self._frozen), self.model_desc.output_names,
+            self.model_desc.output_names[self.model_desc.loss_index])
+        graph = CompiledGraph(training, evaluation, self._placement, self._flat, self._frozen,
+                              self.model_desc.input_names, self.model_desc.output_names)
+        if self.options.debug.check_model_export:
+            self._check_export(graph, inputs)
+        self._graphs.put(signature, graph)
+        if self._input_dtypes is None:
+            self._input_dtypes = [dtype for _, dtype in signature]
+        return graph
+
+    def _refuse_mutated_buffers(self, inputs):
+        mutated = _export.mutated_buffers(self.model, self._num_model_inputs, inputs)
+        if mutated:
+            raise NotImplementedError(
+                f"the model updates buffers {mutated} in training mode (e.g. BatchNorm running statistics); "
+                "the training graph cannot write them back, so this model is refused rather than trained wrong")
+
+    def _create_buffers(self, initializer_names):
+        """Flat buffers for the parameters the graph uses; unused ones stay untouched, as in torch."""
+        prefix = _export.MODEL_PREFIX
+        named = {name: p for name, p in self.model.named_parameters()}
+        used = {name for name in named if prefix + name in initializer_names}
+        unused = sorted(set(named) - used - self._frozen_names)
+        if unused:
+            warnings.warn(f"parameters {unused} are not used by the model's forward/loss and will not be trained")
+        trainable = [name for name in named if name in used and name not in self._frozen_names]
+        if not trainable:
+            raise ValueError("the model has no trainable parameter used by its forward/loss")
+        groups = [([prefix + name for name in names if name in used], hyper)
+                  for names, hyper in self.optim_config.resolve_groups(trainable)]
+        groups = [(names, hyper) for names, hyper in groups if names]
+        self._flat = FlatParameters({prefix + name: p for name, p in named.items()}, groups)
+        frozen = {}
+        for name in sorted(self._frozen_names & used):
+            named[name].data = named[name].data.contiguous()
+            frozen[prefix + name] = named[name].data
+        self._frozen = frozen
+        self._optimizer = make_optimizer(self.optim_config.name, self._flat.layout)
+
+    def _check_export(self, graph, inputs):
+        """debug.check_model_export: the eval graph must match torch's eval-mode forward."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                expected = _export.flatten_outputs(_export._ModelWithLoss(
+                    self.model, self.loss_fn, self._num_model_inputs)(*inputs))
+        finally:
+            self.model.train(was_training)
+        for name, ours, theirs in zip(self.model_desc.output_names, graph.run(False, inputs), expected):
+            if not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-5):
+                difference = (ours - theirs).abs().max().item()
+                raise RuntimeError(f"debug.check_model_export: output {name!r} of the exported graph differs "
+                                   f"from the torch model by up to {difference:.3g} (rtol 1e-3, atol 1e-5)")
+
+
+def _check_shape(method, spec, shape, named_dims):
+    if len(shape) != len(spec.shape):
+        raise ValueError(f"{method}(): input {spec.name!r} has shape {list(shape)}, expected rank "
+                         f"{len(spec.shape)} {list(spec.shape)}")
+    for axis, (actual, wanted) in enumerate(zip(shape, spec.shape)):
+        if isinstance(wanted, str):
+            seen = named_dims.setdefault(wanted, (actual, spec.name))
+            if seen[0] != actual:
+                raise ValueError(f"{method}(): dim {wanted!r} is {seen[0]} in input {seen[1]!r} but {actual} "
+                                 f"in input {spec.name!r} (axis {axis})")
+        elif actual != wanted:
+            raise ValueError(f"{method}(): input {spec.name!r} has shape {list(shape)}, but axis {axis} must be "
+                             f"{wanted} (model_desc {list(spec.shape)})")
+
+
+def _first(names, count=10):
+    names = list(names)
+    return names[:count] + (["..."] if len(names) > count else [])

@@ -1,0 +1,31 @@
+"""Packaging: the top-level kernels/ and schemas/ ship inside the package as data."""
+from setuptools import setup
+
+setup(
+    name="ort-trainer",
+    version="0.1.0",
+    description="ORTTrainer for today's PyTorch: one ONNX Runtime training graph, flat buffers, fused optimizers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=["ort_trainer", "ort_trainer.optim", "ort_trainer.kernels", "ort_trainer.schemas"],
+    package_dir={"ort_trainer.kernels": "kernels", "ort_trainer.schemas": "schemas"},
+    package_data={"ort_trainer.kernels": ["*.cu", "*.cuh"], "ort_trainer.schemas": ["*.yaml"]},
+    install_requires=["torch", "onnx", "cerberus>=1.3", "numpy", "pyyaml"],
+    extras_require={
+        "cpu": ["onnxruntime-training-cpu==1.19.2"],
+        "gpu": [
+            "onnxruntime-training==1.19.2",
+            "cupy-cuda11x",
+            "nvidia-cuda-runtime-cu11",
+            "nvidia-cublas-cu11",
+            "nvidia-cudnn-cu11==8.9.*",
+            "nvidia-cufft-cu11",
+            "nvidia-curand-cu11",
+            "nvidia-cuda-nvrtc-cu11",
+        ],
+        "test": ["pytest", "tqdm"],
+        "examples": ["tqdm"],
+    },
+)

@@ -1,0 +1,129 @@
+"""Small models and an eager PyTorch reference loop shared by the trainer tests."""
+import copy
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from examples.wikitext2.model import TransformerModel
+
+VOCAB = 50
+
+
+def transformer(seed=0):
+    torch.manual_seed(seed)
+    return TransformerModel(VOCAB, 32, 2, 32, 2, dropout=0.0)
+
+
+def transformer_loss(output, targets):
+    return nn.functional.cross_entropy(output.view(-1, VOCAB), targets)
+
+
+TRANSFORMER_DESC = {"inputs": [("src", ["bptt", "batch_size"]), ("label", ["bptt_x_batch_size"])],
+                    "outputs": [("loss", [], True), ("output", ["bptt", "batch_size", VOCAB])]}
+
+
+def transformer_batch(step, bptt=7, batch=4):
+    generator = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, VOCAB, (bptt + 1, batch), generator=generator)
+    return data[:-1], data[1:].reshape(-1)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return MLP()
+
+
+def mlp_loss(output, target):
+    return nn.functional.cross_entropy(output, target)
+
+
+MLP_DESC = {"inputs": [("x", ["batch", 12]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
+
+
+def mlp_batch(step, batch=8):
+    generator = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(batch, 12, generator=generator), torch.randint(0, 5, (batch,), generator=generator)
+
+
+class TwoTower(nn.Module):
+    """Two inputs, two outputs, its own loss inside (loss_fn=None): a regression and a score."""
+
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Linear(6, 16)
+        self.right = nn.Conv1d(1, 4, 3, padding=1)
+        self.head = nn.Linear(16 + 4 * 6, 3)
+
+    def forward(self, a, b):
+        features = torch.cat([torch.tanh(self.left(a)), torch.relu(self.right(b.unsqueeze(1))).flatten(1)], 1)
+        prediction = self.head(features)
+        return prediction.pow(2).mean(), prediction
+
+
+def two_tower(seed=0):
+    torch.manual_seed(seed)
+    return TwoTower()
+
+
+TWO_TOWER_DESC = {"inputs": [("a", ["batch", 6]), ("b", ["batch", 6])],
+                  "outputs": [("loss", [], True), ("prediction", ["batch", 3])]}
+
+
+def two_tower_batch(step, batch=5):
+    generator = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(batch, 6, generator=generator), torch.randn(batch, 6, generator=generator)
+
+
+def lamb_step_float64(params, grads, state, step, lr, alpha=0.9, beta=0.999, lambda_coef=0.0, epsilon=1e-6,
+                      ratio_min=-np.inf, ratio_max=np.inf, do_bias_correction=False):
+    """Independent float64 transcription of the original ORT Lamb update, one tensor at a time."""
+    for index, (w, g) in enumerate(zip(params, grads)):
+        m, v = state.setdefault(index, (np.zeros_like(w), np.zeros_like(w)))
+        m[...] = alpha * m + (1 - alpha) * g
+        v[...] = beta * v + (1 - beta) * g * g
+        c1 = 1 - alpha ** step if do_bias_correction else 1.0
+        c2 = 1 - beta ** step if do_bias_correction else 1.0
+        direction = lambda_coef * w + (m / c1) / (np.sqrt(v / c2) + epsilon)
+        w_norm, d_norm = np.linalg.norm(w), np.linalg.norm(direction)
+        ratio = 1.0 if w_norm == 0 or d_norm == 0 else np.clip(w_norm / d_norm, ratio_min, ratio_max)
+        w -= lr * ratio * direction
+
+
+def torch_loop(model, loss_fn, batches, make_optimizer, max_norm=None, lamb=None):
+    """Eager PyTorch: the losses per step and the final parameters (a deep copy is trained).
+
+    lamb: kwargs for lamb_step_float64 (then make_optimizer is ignored).
+    """
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None if lamb is not None else make_optimizer(params)
+    lamb_state, params64 = {}, [p.detach().double().numpy().copy() for p in params]
+    losses = []
+    for step, batch in enumerate(batches, 1):
+        for p in params:
+            p.grad = None
+        output = model(*batch[:-1]) if loss_fn else model(*batch)
+        loss = loss_fn(output, batch[-1]) if loss_fn else output[0]
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if lamb is None:
+            optimizer.step()
+        else:
+            lamb_step_float64(params64, [p.grad.double().numpy() for p in params], lamb_state, step, **lamb)
+            with torch.no_grad():
+                for p, w in zip(params, params64):
+                    p.copy_(torch.from_numpy(w))
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,168 @@
+"""Bad input to ORTTrainer: every message pinned, and a rejected call changes nothing."""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+
+from . import models
+
+
+def mlp_trainer(**options):
+    return ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(), loss_fn=models.mlp_loss,
+                      options=ORTTrainerOptions(options))
+
+
+def snapshot(trainer):
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+def assert_unchanged(trainer, before, steps):
+    assert trainer._train_step_info.step == steps
+    assert trainer._train_step_info.optimization_step == steps
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((nn.Linear(2, 2).state_dict(), models.MLP_DESC, optim.AdamConfig()), TypeError,
+     "model must be a torch.nn.Module, got OrderedDict"),
+    ((models.mlp(), models.MLP_DESC, {"lr": 0.1}), TypeError,
+     "optim_config must be an optim.SGDConfig, optim.AdamConfig or optim.LambConfig, got dict"),
+])
+def test_constructor_types(args, error, message):
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        ORTTrainer(*args, loss_fn=models.mlp_loss)
+
+
+def test_loss_fn_and_options_types():
+    with pytest.raises(TypeError, match="^loss_fn must be callable or None, got int$"):
+        ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(), loss_fn=3)
+    with pytest.raises(TypeError, match="^options must be an ORTTrainerOptions or a dict, got list$"):
+        ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(), loss_fn=models.mlp_loss, options=[])
+
+
+def test_loss_must_come_first_with_loss_fn():
+    desc = {"inputs": models.MLP_DESC["inputs"], "outputs": [("logits", ["batch", 5]), ("loss", [], True)]}
+    with pytest.raises(ValueError, match=re.escape(
+            "Invalid model_desc: with a loss_fn the loss must be the first output, got is_loss on output 1 ('loss')")):
+        ORTTrainer(models.mlp(), desc, optim.AdamConfig(), loss_fn=models.mlp_loss)
+
+
+def test_loss_fn_needs_a_label_input():
+    desc = {"inputs": [("x", ["batch", 12])], "outputs": [("loss", [], True)]}
+    with pytest.raises(ValueError, match=re.escape(
+            "Invalid model_desc: with a loss_fn at least one input must be a label, but every input ['x'] "
+            "goes to model.forward")):
+        ORTTrainer(models.mlp(), desc, optim.AdamConfig(), loss_fn=models.mlp_loss)
+
+
+def test_unknown_frozen_weight():
+    with pytest.raises(ValueError, match=re.escape(
+            "Invalid options: utils.frozen_weights names unknown parameters ['net.9.weight']; the model's "
+            "parameters are ['net.0.weight', 'net.0.bias', 'net.1.weight', 'net.1.bias', 'net.3.weight', "
+            "'net.3.bias']")):
+        mlp_trainer(utils={"frozen_weights": ["net.9.weight"]})
+
+
+def test_param_group_naming_an_unknown_parameter():
+    config = optim.AdamConfig(params=[{"params": ["net.0.weight", "nope"], "alpha": 0.8}])
+    with pytest.raises(ValueError, match="nope"):
+        ORTTrainer(models.mlp(), models.MLP_DESC, config, loss_fn=models.mlp_loss)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda t, x, y: t.train_step(x), TypeError, "train_step() expects 2 inputs ['x', 'target'], got 1"),
+    (lambda t, x, y: t.train_step(x, y, y), TypeError, "train_step() expects 2 inputs ['x', 'target'], got 3"),
+    (lambda t, x, y: t.train_step(x, label=y), TypeError,
+     "train_step() got unexpected keyword inputs ['label']; model_desc inputs are ['x', 'target']"),
+    (lambda t, x, y: t.train_step(x, y, x=x), TypeError, "train_step() got inputs ['x'] both by position and by keyword"),
+    (lambda t, x, y: t.train_step(x.double(), y), TypeError,
+     "train_step(): input 'x' has dtype torch.float64, expected torch.float32 (from the first batch)"),
+    (lambda t, x, y: t.train_step(x[:, :6], y), ValueError,
+     "train_step(): input 'x' has shape [8, 6], but axis 1 must be 12 (model_desc ['batch', 12])"),
+    (lambda t, x, y: t.train_step(x, y[:4]), ValueError,
+     "train_step(): dim 'batch' is 8 in input 'x' but 4 in input 'target' (axis 0)"),
+    (lambda t, x, y: t.train_step(x.unsqueeze(0), y), ValueError,
+     "train_step(): input 'x' has shape [1, 8, 12], expected rank 2 ['batch', 12]"),
+    (lambda t, x, y: t.train_step(x.tolist(), y), TypeError,
+     "train_step(): input 'x' must be a torch.Tensor or numpy.ndarray, got list"),
+    (lambda t, x, y: t.eval_step(x), TypeError, "eval_step() expects 2 inputs ['x', 'target'], got 1"),
+])
+def test_bad_step_inputs_change_nothing(call, error, message):
+    trainer = mlp_trainer()
+    x, y = models.mlp_batch(0)
+    trainer.train_step(x, y)
+    before = snapshot(trainer)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        call(trainer, x, y)
+    assert_unchanged(trainer, before, steps=1)
+
+
+def test_inputs_by_keyword_and_as_one_list():
+    trainer = mlp_trainer()
+    x, y = models.mlp_batch(0)
+    first = trainer.eval_step(target=y, x=x)[0]
+    assert torch.equal(trainer.eval_step([x, y])[0], first)
+
+
+def test_declared_dtype_is_checked_on_the_first_batch():
+    desc = {"inputs": [("x", ["batch", 12], "float64"), ("target", ["batch"])],
+            "outputs": models.MLP_DESC["outputs"]}
+    trainer = ORTTrainer(models.mlp(), desc, optim.AdamConfig(), loss_fn=models.mlp_loss)
+    before = snapshot(trainer)
+    with pytest.raises(TypeError, match=re.escape(
+            "train_step(): input 'x' has dtype torch.float32, expected torch.float64 (from model_desc)")):
+        trainer.train_step(*models.mlp_batch(0))
+    assert_unchanged(trainer, before, steps=0)
+
+
+class Unexportable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.linalg.svd(self.linear(x))[0].sum()
+
+
+def test_export_failure_names_the_operator():
+    desc = {"inputs": [("x", [4, 4])], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(Unexportable(), desc, optim.SGDConfig())
+    before = snapshot(trainer)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "exporting the model to ONNX failed at operator aten::linalg_svd: UnsupportedOperatorError: "
+            "Exporting the operator 'aten::linalg_svd' to ONNX opset version 14 is not supported")):
+        trainer.train_step(torch.randn(4, 4))
+    assert_unchanged(trainer, before, steps=0)
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.linear(x)).pow(2).mean()
+
+
+def test_models_that_update_buffers_are_refused_by_name():
+    trainer = ORTTrainer(WithBatchNorm(), {"inputs": [("x", ["n", 4])], "outputs": [("loss", [], True)]},
+                         optim.SGDConfig())
+    before = {name: b.clone() for name, b in trainer.model.named_buffers()}
+    with pytest.raises(NotImplementedError, match=re.escape(
+            "the model updates buffers ['norm.num_batches_tracked', 'norm.running_mean', 'norm.running_var'] "
+            "in training mode")):
+        trainer.train_step(torch.randn(8, 4))
+    for name, b in trainer.model.named_buffers():
+        assert torch.equal(b, before[name]), name
+
+
+def test_wrong_output_count_in_model_desc():
+    desc = {"inputs": models.MLP_DESC["inputs"], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(models.mlp(), desc, optim.AdamConfig(), loss_fn=models.mlp_loss)
+    with pytest.raises(RuntimeError, match=re.escape("model_desc names 1 outputs ['loss'], but the exported model")):
+        trainer.train_step(*models.mlp_batch(0))
