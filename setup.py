@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",
-    packages=["ort_trainer", "ort_trainer.optim", "ort_trainer.kernels", "ort_trainer.schemas"],
+    packages=["ort_trainer", "ort_trainer.amp", "ort_trainer.optim", "ort_trainer.kernels", "ort_trainer.schemas"],
     package_dir={"ort_trainer.kernels": "kernels", "ort_trainer.schemas": "schemas"},
     package_data={"ort_trainer.kernels": ["*.cu", "*.cuh"], "ort_trainer.schemas": ["*.yaml"]},
     install_requires=["torch", "onnx", "cerberus>=1.3", "numpy", "pyyaml"],

@@ -122,3 +122,88 @@ def _describe_export_failure(error):
     operator = re.search(r"'((?:aten|prim|onnx)::\w+)'", message)
     where = f" at operator {operator.group(1)}" if operator else ""
     return f"exporting the model to ONNX failed{where}: {type(error).__name__}: {message}"
+
+
+def export_inference_model(model, num_model_inputs, input_specs, output_names, sample_inputs, opset_version):
+    """The model alone (no loss), in eval mode, with dynamic axes where they verifiably work.
+
+    input_specs: the model's InputDescriptions (their string dims become dynamic axes). Each
+    dynamic dim is probed at another size with ONNX Runtime against torch; dims the TorchScript
+    exporter baked into the graph (nn.MultiheadAttention's sequence length, for one) are made
+    static so the file says what it accepts. Returns (serialized model, names of static dims).
+    """
+    names = [spec.name for spec in input_specs]
+    dims = {dim for spec in input_specs for dim in spec.shape if isinstance(dim, str)}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = flatten_outputs(model(*sample_inputs))
+            probes = {dim: _probe_inputs(input_specs, sample_inputs, dim) for dim in dims}
+            expected_probes = {dim: flatten_outputs(model(*inputs)) for dim, inputs in probes.items()}
+            baked = set()
+            while True:
+                serialized = _export_eval(model, names, output_names, sample_inputs, input_specs,
+                                          dims - baked, opset_version)
+                _check_runs_like_torch(serialized, names, sample_inputs, expected, output_names)
+                failing = {dim for dim in dims - baked
+                           if not _runs_like_torch(serialized, names, probes[dim], expected_probes[dim])}
+                if not failing:
+                    return serialized, sorted(baked)
+                baked |= failing
+    finally:
+        model.train(was_training)
+
+
+def _export_eval(model, input_names, output_names, sample_inputs, input_specs, dynamic_dims, opset_version):
+    dynamic_axes = {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if dim in dynamic_dims}
+                    for spec in input_specs}
+    buffer = io.BytesIO()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, tuple(sample_inputs), buffer, dynamo=False, input_names=input_names,
+                              output_names=list(output_names), dynamic_axes=dynamic_axes,
+                              training=torch.onnx.TrainingMode.EVAL, do_constant_folding=True,
+                              opset_version=opset_version, export_params=True)
+    except Exception as error:
+        raise ExportError(_describe_export_failure(error)) from error
+    return buffer.getvalue()
+
+
+def _probe_inputs(input_specs, sample_inputs, dim):
+    """The sample with dim `dim` one smaller (or one larger when it is 1), same values otherwise."""
+    probe = []
+    for spec, tensor in zip(input_specs, sample_inputs):
+        for axis, name in enumerate(spec.shape):
+            if name == dim:
+                size = tensor.shape[axis]
+                tensor = (tensor.narrow(axis, 0, size - 1) if size > 1
+                          else torch.cat([tensor, tensor], axis))
+        probe.append(tensor)
+    return probe
+
+
+def _session_outputs(serialized, names, inputs):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4  # a failing probe is an expected outcome, not an error to print
+    session = onnxruntime.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
+    return session.run(None, {name: tensor.numpy() for name, tensor in zip(names, inputs)})
+
+
+def _runs_like_torch(serialized, names, inputs, expected):
+    try:
+        outputs = _session_outputs(serialized, names, inputs)
+    except Exception:
+        return False
+    return all(torch.allclose(torch.from_numpy(out), ref, rtol=1e-4, atol=1e-5) for out, ref in zip(outputs, expected))
+
+
+def _check_runs_like_torch(serialized, names, inputs, expected, output_names):
+    outputs = _session_outputs(serialized, names, inputs)
+    for name, out, ref in zip(output_names, outputs, expected):
+        difference = (torch.from_numpy(out) - ref).abs().max().item()
+        if difference > 1e-5 * max(1.0, ref.abs().max().item()):
+            raise ExportError(f"the exported inference model's output {name!r} differs from torch by {difference:.3g}")

@@ -37,10 +37,7 @@ class FlatParameters:
                 view.copy_(parameter.detach())
             parameter.data = view
 
-    def param_view(self, name):
+    def view(self, buffer, name):
+        """The part of `buffer` (params, grads, or any array in this layout) holding `name`."""
         start = self.offsets[name]
-        return self.params[start: start + int(np.prod(self.shapes[name], dtype=np.int64))].reshape(self.shapes[name])
-
-    def grad_view(self, name):
-        start = self.offsets[name]
-        return self.grads[start: start + int(np.prod(self.shapes[name], dtype=np.int64))].reshape(self.shapes[name])
+        return buffer[start: start + int(np.prod(self.shapes[name], dtype=np.int64))].reshape(self.shapes[name])

@@ -9,6 +9,7 @@ from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_m
 # SoftmaxCrossEntropyLoss's log_prob); the TorchScript exporter may emit them with one output.
 _NODES_NEEDING_SECOND_OUTPUT = ("Dropout", "SoftmaxCrossEntropyLoss")
 _QUIET = 3  # ORT severity: errors only
+LOSS_SCALE_INPUT = "__loss_scale"
 
 
 def builder_session_options():
@@ -48,17 +49,33 @@ def _disable_training_mode(model):
                     attribute.i = 0
 
 
-def build_graphs(model, trainable, frozen, output_names, loss_name):
+def _scale_loss(model, loss_name):
+    """Adds a scalar input LOSS_SCALE_INPUT and returns the name of loss * scale.
+
+    Differentiating the scaled loss gives scaled gradients (mixed-precision loss scaling); the
+    user still gets the unscaled loss.
+    """
+    model.graph.input.append(onnx.helper.make_tensor_value_info(LOSS_SCALE_INPUT, onnx.TensorProto.FLOAT, []))
+    scaled = f"{loss_name}__scaled"
+    model.graph.node.append(onnx.helper.make_node("Mul", [loss_name, LOSS_SCALE_INPUT], [scaled]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info(scaled, onnx.TensorProto.FLOAT, []))
+    return scaled
+
+
+def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes the user outputs and one `<param>_grad` output per trainable
-    parameter; the eval graph computes the user outputs with dropout off.
+    parameter (of the loss times the LOSS_SCALE_INPUT feed when loss_scaling); the eval graph
+    computes the user outputs with dropout off.
     """
     model = copy.deepcopy(model)
     add_second_outputs(model)
     _move_parameters_to_inputs(model, set(trainable) | set(frozen))
     eval_model = copy.deepcopy(model)
     _disable_training_mode(eval_model)
+    if loss_scaling:
+        loss_name = _scale_loss(model, loss_name)
 
     options = builder_session_options()
     optimized = get_optimized_model(model.SerializeToString(), set(trainable), options)

@@ -6,7 +6,6 @@ from ._validation import load_schema, validate
 # Options that validate but are not implemented yet: path -> feature. Any value other than the
 # default raises NotImplementedError. Remove an entry when its feature lands.
 _NOT_YET_SUPPORTED = {
-    "batch.gradient_accumulation_steps": "gradient accumulation",
     "distributed.world_rank": "distributed training",
     "distributed.world_size": "distributed training",
     "distributed.local_rank": "distributed training",

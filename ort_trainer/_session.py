@@ -58,14 +58,19 @@ class CompiledGraph:
     the caller's inputs (zero copy) and fresh output tensors.
     """
 
-    def __init__(self, training_graph, eval_graph, placement, flat, frozen, input_names, output_names):
+    def __init__(self, training_graph, eval_graph, placement, flat, frozen, input_names, output_names,
+                 feeds=None):
+        """feeds: {graph input name: array} bound once and read on every run (e.g. the loss scale,
+        updated in place)."""
         self._graphs = {True: training_graph, False: eval_graph}
+        self._feeds = feeds or {}
         self._placement = placement
         self._flat = flat
         self._frozen = frozen
         self._input_names = input_names
         self._output_names = output_names
         self._sessions = {}
+        self._grads_bound_to = None
 
     def _session(self, training):
         if training not in self._sessions:
@@ -77,10 +82,10 @@ class CompiledGraph:
             for name in self._flat.names:
                 if name in graph_inputs:
                     self._placement.bind(binding, name, False, np.float32, self._flat.shapes[name],
-                                         _pointer(self._flat.param_view(name)))
-                if training:
-                    self._placement.bind(binding, f"{name}_grad", True, np.float32, self._flat.shapes[name],
-                                         _pointer(self._flat.grad_view(name)))
+                                         _pointer(self._flat.view(self._flat.params, name)))
+            for name, array in self._feeds.items():
+                if name in graph_inputs:
+                    self._placement.bind(binding, name, False, array.dtype, array.shape, _pointer(array))
             for name, tensor in self._frozen.items():
                 if name in graph_inputs:
                     self._placement.bind(binding, name, False, _TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
@@ -90,9 +95,23 @@ class CompiledGraph:
             self._sessions[training] = (session, binding, graph_inputs, specs)
         return self._sessions[training]
 
-    def run(self, training, inputs):
-        """Runs one step on the bound buffers; returns the user outputs as new torch tensors."""
+    def _bind_gradients(self, binding, grads):
+        """Points the gradient outputs at `grads` (a buffer in the flat layout), if not already."""
+        if self._grads_bound_to is not grads:
+            for name in self._flat.names:
+                self._placement.bind(binding, f"{name}_grad", True, np.float32, self._flat.shapes[name],
+                                     _pointer(self._flat.view(grads, name)))
+            self._grads_bound_to = grads
+
+    def run(self, training, inputs, grads=None):
+        """Runs one step on the bound buffers; returns the user outputs as new torch tensors.
+
+        Training writes the gradients into `grads` (the flat gradient buffer or a scratch buffer
+        of the same layout); eval computes no gradient.
+        """
         session, binding, graph_inputs, specs = self._session(training)
+        if training:
+            self._bind_gradients(binding, grads)
         for name, tensor in zip(self._input_names, inputs):
             if name in graph_inputs:
                 self._placement.bind(binding, name, False, _TORCH_TO_NUMPY[tensor.dtype], tensor.shape,

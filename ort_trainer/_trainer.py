@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from . import _export
+from ._checkpoint import atomic_write
 from ._flat import FlatParameters
 from ._graph import build_graphs
 from ._model_desc import parse_model_desc
@@ -88,9 +89,11 @@ class ORTTrainer:
                                     options.debug.deterministic_compute)
         self._graphs = GraphCache(options.utils.max_cached_graphs)
         self._input_dtypes = None
+        self._sample_inputs = None
         self._flat = None
         self._frozen = None
         self._optimizer = None
+        self._scratch = None
         self._train_step_info = TrainStepInfo(optim_config)
 
     # ---------------------------------------------------------------- steps
@@ -99,20 +102,58 @@ class ORTTrainer:
         model_desc in order (one output bare, several as a list)."""
         inputs, signature = self._prepare_inputs("train_step", args, kwargs)
         graph = self._graph_for(signature, inputs)
-        outputs = graph.run(True, inputs)
+        accumulation = self.options.batch.gradient_accumulation_steps
+        micro_step = self._train_step_info.step % accumulation
+        if micro_step == 0:
+            outputs = graph.run(True, inputs, self._flat.grads)
+        else:
+            outputs = graph.run(True, inputs, self._accumulation_scratch())
+            self._flat.grads += self._scratch
+        self._train_step_info.step += 1
+        if micro_step == accumulation - 1:
+            self._update()
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _accumulation_scratch(self):
+        """Where micro-steps after the first write their gradients before adding them up."""
+        if self._scratch is None:
+            self._scratch = self._flat.grads.copy()
+        return self._scratch
+
+    def _update(self):
+        """One optimizer update from the (accumulated) gradients, clipped by global norm."""
         divisor = 1.0
         if self.options.utils.grad_norm_clip:
             divisor, _ = clip_divisor(self._flat.grads, self.optim_config.max_norm_clip)
         self._optimizer.step(self._flat.params, self._flat.grads, self.optim_config.lr, divisor)
-        self._train_step_info.step += 1
         self._train_step_info.optimization_step += 1
-        return outputs[0] if len(outputs) == 1 else outputs
 
     def eval_step(self, *args, **kwargs):
         """Forward and loss with dropout off; no gradient, no update, no step counted."""
         inputs, signature = self._prepare_inputs("eval_step", args, kwargs)
         outputs = self._graph_for(signature, inputs).run(False, inputs)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    # ---------------------------------------------------------------- export
+    def export_onnx(self, path):
+        """Writes the trained model as an inference ONNX model (forward only, dropout off).
+
+        Weights are initializers; the model's inputs (labels excluded) keep the dynamic axes of
+        model_desc where the exported graph verifiably handles other sizes. Dims the exporter
+        baked in are made static, with a warning that names them. The file is written atomically.
+        Needs one train_step or eval_step first (its batch is the export sample).
+        """
+        if self._sample_inputs is None:
+            raise RuntimeError("export_onnx() needs a sample batch: call train_step() or eval_step() once first")
+        count = self._num_model_inputs
+        outputs = self.model_desc.output_names[1:] if self.loss_fn is not None else self.model_desc.output_names
+        serialized, static = _export.export_inference_model(
+            self.model, count, self.model_desc.inputs[:count], outputs, self._sample_inputs[:count],
+            self.options._internal_use.onnx_opset_version)
+        if static:
+            warnings.warn(f"export_onnx: dims {static} are fixed to the sample batch's sizes: the exporter baked "
+                          "them into the graph (e.g. nn.MultiheadAttention's sequence length)")
+        atomic_write(path, lambda file: file.write(serialized))
 
     # ---------------------------------------------------------------- inputs
     def _prepare_inputs(self, method, args, kwargs):
@@ -178,6 +219,7 @@ class ORTTrainer:
         self._graphs.put(signature, graph)
         if self._input_dtypes is None:
             self._input_dtypes = [dtype for _, dtype in signature]
+            self._sample_inputs = inputs
         return graph
 
     def _refuse_mutated_buffers(self, inputs):

@@ -207,7 +207,6 @@ def test_options_not_a_dict(options):
 
 # A non-default value for every gated option; kept in step with _NOT_YET_SUPPORTED by the test below.
 NON_DEFAULT = {
-    "batch.gradient_accumulation_steps": 2,
     "distributed.world_rank": 1,
     "distributed.world_size": 2,
     "distributed.local_rank": 1,
@@ -261,10 +260,11 @@ def test_not_yet_supported(path):
 
 
 def test_not_yet_supported_lists_every_option_sorted():
-    options = {"mixed_precision": {"enabled": True}, "batch": {"gradient_accumulation_steps": 4},
-               "distributed": {"world_size": 2}}
-    message = ("Option(s) not supported yet: batch.gradient_accumulation_steps=4 (gradient accumulation), "
-               "distributed.world_size=2 (distributed training), mixed_precision.enabled=True (mixed precision)")
+    options = {"utils": {"memory_efficient_gradient": True}, "graph_transformer": {"gelu_recompute": True},
+               "distributed": {"enable_adasum": True}}
+    message = ("Option(s) not supported yet: distributed.enable_adasum=True (Adasum), "
+               "graph_transformer.gelu_recompute=True (recomputation), "
+               "utils.memory_efficient_gradient=True (memory-efficient gradient)")
     with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         ORTTrainerOptions(options)
 

@@ -1,3 +1,6 @@
 from ._config import AdamConfig, DecayMode, LambConfig, SGDConfig
+from .lr_scheduler import (ConstantWarmupLRScheduler, CosineWarmupLRScheduler, LinearWarmupLRScheduler,
+                           PolyWarmupLRScheduler)
 
-__all__ = ["SGDConfig", "AdamConfig", "LambConfig", "DecayMode"]
+__all__ = ["SGDConfig", "AdamConfig", "LambConfig", "DecayMode", "ConstantWarmupLRScheduler",
+           "CosineWarmupLRScheduler", "LinearWarmupLRScheduler", "PolyWarmupLRScheduler"]

@@ -1,0 +1,157 @@
+"""Checkpoint files: atomic writes, ``weights_only`` reads, and key/shape comparison.
+
+The trainer builds the state dict; this module only writes and reads it. Files are plain
+``torch.save`` archives of weights-only values, so ``torch.load(path, weights_only=True)['model']``
+loads into a torch model without ort-trainer.
+"""
+import os
+import pickle
+import tempfile
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import BinaryIO
+
+import torch
+
+FORMAT = "ort-trainer-checkpoint"
+FORMAT_VERSION = 1
+_RESERVED = ("format", "format_version")
+_LEAVES = (torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None))  # exact types: no numpy scalars
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+# New files get the permissions a plain open() would give, not the 0600 of a temporary file.
+# (Reading the umask means setting it: done once, at import, before any threads write files.)
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def _check_values(value, path: str) -> None:
+    """Raise TypeError naming the first value that ``torch.load(weights_only=True)`` would refuse."""
+    if type(value) in _LEAVES:
+        return
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            if type(key) not in (str, int):
+                raise TypeError(f"cannot save checkpoint: {path} has a key {key!r} of type {type(key).__name__}; "
+                                f"keys must be str or int")
+            _check_values(item, f"{path}[{key!r}]")
+    elif type(value) in (list, tuple):
+        for index, item in enumerate(value):
+            _check_values(item, f"{path}[{index}]")
+    else:
+        cls = type(value)
+        raise TypeError(f"cannot save checkpoint: {path} is a {cls.__module__}.{cls.__qualname__}; values must be "
+                        f"torch tensors, int, float, bool, str, None, or lists, tuples and dicts of those")
+
+
+def atomic_write(path, write: Callable[[BinaryIO], object]) -> None:
+    """Call ``write(file)`` on a temporary file in ``path``'s directory, flush it to disk, then rename it
+    over ``path``: a crash or an error leaves either the old file or the new one, never a partial file."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot write '{path}': directory '{directory}' does not exist")
+    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o666 & ~_UMASK
+    temporary = tempfile.NamedTemporaryFile(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                            delete=False)
+    try:
+        with temporary:
+            write(temporary)
+            temporary.flush()
+            os.fsync(temporary.fileno())
+        os.chmod(temporary.name, mode)
+        os.replace(temporary.name, path)
+    except BaseException:
+        os.unlink(temporary.name)
+        raise
+
+
+def save(path, state: Mapping) -> None:
+    """Write ``state`` plus the format keys to ``path`` atomically (``atomic_write``), after checking
+    that every value is one ``torch.load(weights_only=True)`` reads back."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"cannot save checkpoint: state must be a dict, got {type(state).__name__}")
+    reserved = [key for key in _RESERVED if key in state]
+    if reserved:
+        raise ValueError(f"cannot save checkpoint: state must not contain the reserved keys {reserved}")
+    _check_values(dict(state), "state")
+    atomic_write(path, lambda file: torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, file))
+
+
+def _first_sentence(error: BaseException) -> str:
+    """'Type: first sentence' of an error (torch's messages go on for paragraphs)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0].split('. ')[0]}" if text else type(error).__name__
+
+
+def load(path) -> dict:
+    """Read a checkpoint written by ``save``; returns the state without the format keys.
+
+    Raises FileNotFoundError for a missing file, ValueError for a truncated or corrupt file, a file
+    that is not an ort-trainer checkpoint, or one written by a newer ort-trainer.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+    with open(path, "rb") as file:
+        if file.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE:
+            raise ValueError(f"checkpoint '{path}' is an HDF5 file (the legacy ORTTrainer checkpoint format), "
+                             f"not an ort-trainer checkpoint")
+    try:
+        with zipfile.ZipFile(path) as archive:  # torch.save's format; torch itself checks no CRC
+            for name in archive.namelist():
+                if name.endswith(".pkl"):
+                    archive.read(name)  # CRC-checked: a damaged pickle would otherwise read as foreign objects
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # objects outside weights_only's allowlist: save() never writes them
+        raise ValueError(f"checkpoint '{path}' is not an ort-trainer checkpoint: it holds objects that "
+                         f"torch.load(weights_only=True) refuses ({_first_sentence(error.__context__ or error)})"
+                         ) from error
+    except OSError:
+        raise
+    except Exception as error:  # a damaged archive: zipfile.BadZipFile, torch's RuntimeError, ...
+        raise ValueError(f"checkpoint '{path}' is truncated or corrupt ({_first_sentence(error)})") from error
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        if isinstance(state, dict):
+            keys = list(state)
+            holds = f"a dict with keys {keys[:5]}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        else:
+            holds = f"a {type(state).__name__}"
+        raise ValueError(f"checkpoint '{path}' is not an ort-trainer checkpoint (no 'format': {FORMAT!r}); it holds "
+                         f"{holds}. Plain model weights load with torch.load() and model.load_state_dict()")
+    version = state.get("format_version")
+    if type(version) is not int or version < 1:
+        raise ValueError(f"checkpoint '{path}' has an invalid format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"checkpoint '{path}' has format_version {version}, newer than this ort-trainer reads "
+                         f"({FORMAT_VERSION}); upgrade ort-trainer")
+    return {key: value for key, value in state.items() if key not in _RESERVED}
+
+
+def _listed(items: list[str], more: str = "more", limit: int = 10) -> list[str]:
+    return items[:limit] + ([f"... and {len(items) - limit} {more}"] if len(items) > limit else [])
+
+
+def compare_keys(what: str, expected: Mapping, actual: Mapping) -> None:
+    """Raise one ValueError listing every key missing from or unexpected in ``actual`` (the checkpoint)
+    and every tensor whose shape or dtype differs from ``expected`` (the model); None if all match."""
+    missing = sorted((key for key in expected if key not in actual), key=str)
+    unexpected = sorted((key for key in actual if key not in expected), key=str)
+    mismatches = []
+    for key in sorted((key for key in expected if key in actual), key=str):
+        want, got = expected[key], actual[key]
+        if isinstance(want, torch.Tensor) != isinstance(got, torch.Tensor):
+            mismatches.append(f"type mismatch for {key!r}: checkpoint {type(got).__name__} vs model "
+                              f"{type(want).__name__}")
+        elif isinstance(want, torch.Tensor):
+            if want.shape != got.shape:
+                mismatches.append(f"shape mismatch for {key!r}: checkpoint {tuple(got.shape)} vs model "
+                                  f"{tuple(want.shape)}")
+            if want.dtype != got.dtype:
+                mismatches.append(f"dtype mismatch for {key!r}: checkpoint {got.dtype} vs model {want.dtype}")
+    problems = [f"{name} keys [{', '.join(_listed([repr(key) for key in keys]))}]"
+                for name, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+    problems += _listed(mismatches, "more mismatches")
+    if problems:
+        raise ValueError(f"{what}: " + "; ".join(problems))
