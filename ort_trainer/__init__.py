@@ -6,9 +6,9 @@ from ._runtime import require_training_build
 
 require_training_build()
 
-from . import optim  # noqa: E402
+from . import amp, optim  # noqa: E402
 from ._options import ORTTrainerOptions  # noqa: E402
 from ._trainer import ORTTrainer, TrainStepInfo  # noqa: E402
 
-__all__ = ["ORTTrainer", "ORTTrainerOptions", "TrainStepInfo", "optim"]
+__all__ = ["ORTTrainer", "ORTTrainerOptions", "TrainStepInfo", "amp", "optim"]
 __version__ = "0.1.0"

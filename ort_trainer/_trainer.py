@@ -1,17 +1,19 @@
 """ORTTrainer: orchestration of export, compiled graphs, flat buffers and the optimizer."""
+import copy
+import math
 import warnings
 
 import numpy as np
 import torch
 
-from . import _export
-from ._checkpoint import atomic_write
+from . import _checkpoint, _export
 from ._flat import FlatParameters
-from ._graph import build_graphs
+from ._graph import LOSS_SCALE_INPUT, build_graphs
 from ._model_desc import parse_model_desc
-from ._optimizers import clip_divisor, make_optimizer
+from ._optimizers import _OPTIMIZERS, clip_divisor, make_optimizer
 from ._options import ORTTrainerOptions
 from ._session import CompiledGraph, GraphCache, Placement
+from .amp import DynamicLossScaler
 from .optim._config import _OptimizerConfig
 
 
@@ -85,6 +87,8 @@ class ORTTrainer:
         # Validates param groups now (unknown names fail here, before any work).
         optim_config.resolve_groups([name for name in named if name not in self._frozen_names])
 
+        self._lr_scheduler = options.lr_scheduler
+        self._loss_scaler, self._loss_scale = _loss_scaling(options)
         self._placement = Placement(options.device.id, torch.get_num_threads(),
                                     options.debug.deterministic_compute)
         self._graphs = GraphCache(options.utils.max_cached_graphs)
@@ -94,6 +98,7 @@ class ORTTrainer:
         self._frozen = None
         self._optimizer = None
         self._scratch = None
+        self._pending_optimizer_state = None
         self._train_step_info = TrainStepInfo(optim_config)
 
     # ---------------------------------------------------------------- steps
@@ -121,18 +126,161 @@ class ORTTrainer:
         return self._scratch
 
     def _update(self):
-        """One optimizer update from the (accumulated) gradients, clipped by global norm."""
-        divisor = 1.0
-        if self.options.utils.grad_norm_clip:
-            divisor, _ = clip_divisor(self._flat.grads, self.optim_config.max_norm_clip)
-        self._optimizer.step(self._flat.params, self._flat.grads, self.optim_config.lr, divisor)
-        self._train_step_info.optimization_step += 1
+        """One optimizer update from the (accumulated) gradients: unscaled, clipped by global
+        norm, and skipped (weights and optimizer state untouched) when under loss scaling a
+        gradient is not finite."""
+        info = self._train_step_info
+        lr = self._lr_scheduler._step(info)[0] if self._lr_scheduler is not None else self.optim_config.lr
+        clip = self.options.utils.grad_norm_clip
+        divisor, info.all_finite = 1.0, True
+        if clip or self._loss_scaler is not None:
+            loss_scale = float(self._loss_scale) if self._loss_scaler is not None else 1.0
+            max_norm = self.optim_config.max_norm_clip if clip else math.inf
+            divisor, norm = clip_divisor(self._flat.grads, max_norm, loss_scale)
+            info.all_finite = self._loss_scaler is None or math.isfinite(norm)
+        if info.all_finite:
+            self._optimizer.step(self._flat.params, self._flat.grads, lr, divisor)
+            info.optimization_step += 1
+        if self._loss_scaler is not None:
+            self._loss_scale[...] = self._loss_scaler.update(info)
+
+    @property
+    def train_step_info(self):
+        """Step counters: `step` (train_step calls), `optimization_step` (updates applied) and
+        `all_finite` (False when the last update was skipped for non-finite gradients)."""
+        return self._train_step_info
 
     def eval_step(self, *args, **kwargs):
         """Forward and loss with dropout off; no gradient, no update, no step counted."""
         inputs, signature = self._prepare_inputs("eval_step", args, kwargs)
         outputs = self._graph_for(signature, inputs).run(False, inputs)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self):
+        """Everything a resume needs, as tensors and plain values under the torch model's names.
+
+        `state_dict()['model']` loads into the plain torch model. Optimizer state is stored per
+        parameter (`optimizer.state[<name>][<param>]`), so it does not depend on the flat layout.
+        """
+        info = self._train_step_info
+        return {
+            "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
+            "optimizer": {"name": self.optim_config.name, "step_count": self._optimizer_step_count(),
+                          "state": self._optimizer_state()},
+            "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
+            "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
+            "loss_scaler": None if self._loss_scaler is None else self._loss_scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Restores a `state_dict()`. Everything is checked before anything changes: another
+        model's checkpoint is refused with the mismatched keys named. `strict=False` allows
+        missing or unexpected model keys (shapes must still match)."""
+        self._check_state_dict(state_dict, strict)
+        optimizer = state_dict["optimizer"]
+        self.model.load_state_dict(state_dict["model"], strict=strict)
+        if self._optimizer is None:
+            self._pending_optimizer_state = optimizer
+        else:
+            self._load_optimizer_state(optimizer)
+        info = state_dict["train_step_info"]
+        self._train_step_info.step = info["step"]
+        self._train_step_info.optimization_step = info["optimization_step"]
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        if self._loss_scaler is not None:
+            self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
+            self._loss_scale[...] = self._loss_scaler.loss_scale
+
+    def save_checkpoint(self, path, user_dict=None):
+        """Writes `state_dict()` (plus `user_dict`) to `path` atomically (torch.save format)."""
+        micro_step = self._train_step_info.step % self.options.batch.gradient_accumulation_steps
+        if micro_step:
+            raise RuntimeError(
+                f"save_checkpoint() in the middle of a gradient-accumulation cycle (micro-step {micro_step} of "
+                f"{self.options.batch.gradient_accumulation_steps}) would lose the accumulated gradients; "
+                "save right after an update")
+        _checkpoint.save(path, {**self.state_dict(), "user_dict": user_dict or {}})
+
+    def load_checkpoint(self, path, strict=True):
+        """Loads a `save_checkpoint()` file; returns its `user_dict`."""
+        state = _checkpoint.load(path)
+        user_dict = state.pop("user_dict", {})
+        self.load_state_dict(state, strict=strict)
+        return user_dict
+
+    def _optimizer_step_count(self):
+        if self._optimizer is None:
+            return self._pending_optimizer_state["step_count"] if self._pending_optimizer_state else 0
+        return self._optimizer.step_count
+
+    def _optimizer_state(self):
+        if self._optimizer is None:
+            return self._pending_optimizer_state["state"] if self._pending_optimizer_state else {}
+        prefix = len(_export.MODEL_PREFIX)
+        return {state: {name[prefix:]: torch.from_numpy(self._flat.view(array, name).copy())
+                        for name in self._flat.names}
+                for state, array in self._optimizer.state.items()}
+
+    def _load_optimizer_state(self, optimizer):
+        """Writes per-parameter optimizer state into the flat buffers."""
+        prefix = _export.MODEL_PREFIX
+        state = {}
+        for state_name, array in self._optimizer.state.items():
+            flat = np.empty_like(array)
+            for name in self._flat.names:
+                self._flat.view(flat, name)[...] = optimizer["state"][state_name][name[len(prefix):]].numpy()
+            state[state_name] = flat
+        self._optimizer.load_state_dict({"step_count": optimizer["step_count"], "state": state})
+
+    def _check_state_dict(self, state_dict, strict):
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        sections = {"model", "optimizer", "train_step_info", "lr_scheduler", "loss_scaler"}
+        _checkpoint.compare_keys("load_state_dict: sections", dict.fromkeys(sections), state_dict)
+        model = self.model.state_dict()
+        saved = state_dict["model"]
+        if strict:
+            _checkpoint.compare_keys("load_state_dict: state_dict['model']", model, saved)
+        else:
+            _checkpoint.compare_keys("load_state_dict: state_dict['model']",
+                                     {k: v for k, v in model.items() if k in saved},
+                                     {k: v for k, v in saved.items() if k in model})
+        optimizer = state_dict["optimizer"]
+        if optimizer.get("name") != self.optim_config.name:
+            raise ValueError(f"load_state_dict: the checkpoint's optimizer is {optimizer.get('name')!r}, "
+                             f"this trainer's is {self.optim_config.name!r}")
+        trained = self._trained_parameter_shapes()
+        for state_name in _OPTIMIZERS[self.optim_config.name].state_names:
+            per_parameter = optimizer["state"].get(state_name, {}) if optimizer["state"] else None
+            if per_parameter is None:
+                continue  # saved before the first step: no optimizer state yet
+            if self._flat is None:
+                per_parameter = {k: v for k, v in per_parameter.items() if k in trained}
+                trained = {k: v for k, v in trained.items() if k in optimizer["state"][state_name]}
+            _checkpoint.compare_keys(f"load_state_dict: state_dict['optimizer']['state'][{state_name!r}]",
+                                     trained, per_parameter)
+        info = state_dict["train_step_info"]
+        for key in ("step", "optimization_step"):
+            value = info.get(key) if isinstance(info, dict) else None
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"load_state_dict: train_step_info[{key!r}] must be an int >= 0, got {value!r}")
+        for name, current in (("lr_scheduler", self._lr_scheduler), ("loss_scaler", self._loss_scaler)):
+            if (current is None) != (state_dict[name] is None):
+                raise ValueError(f"load_state_dict: the checkpoint {'has no' if current else 'has'} {name} state, "
+                                 f"and this trainer {'has' if current else 'has no'} {name}")
+            if current is not None:
+                copy.deepcopy(current).load_state_dict(state_dict[name])  # validates, changes nothing
+
+    def _trained_parameter_shapes(self):
+        """{torch name: parameter} of what the optimizer updates (before the first compile: every
+        parameter that is not frozen)."""
+        named = dict(self.model.named_parameters())
+        if self._flat is not None:
+            prefix = len(_export.MODEL_PREFIX)
+            return {name[prefix:]: named[name[prefix:]] for name in self._flat.names}
+        return {name: p for name, p in named.items() if name not in self._frozen_names}
 
     # ---------------------------------------------------------------- export
     def export_onnx(self, path):
@@ -153,7 +301,7 @@ class ORTTrainer:
         if static:
             warnings.warn(f"export_onnx: dims {static} are fixed to the sample batch's sizes: the exporter baked "
                           "them into the graph (e.g. nn.MultiheadAttention's sequence length)")
-        atomic_write(path, lambda file: file.write(serialized))
+        _checkpoint.atomic_write(path, lambda file: file.write(serialized))
 
     # ---------------------------------------------------------------- inputs
     def _prepare_inputs(self, method, args, kwargs):
@@ -211,9 +359,10 @@ class ORTTrainer:
             self._create_buffers({i.name for i in exported.graph.initializer})
         training, evaluation = build_graphs(
             exported, self._flat.names, list(self._frozen), self.model_desc.output_names,
-            self.model_desc.output_names[self.model_desc.loss_index])
+            self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None)
         graph = CompiledGraph(training, evaluation, self._placement, self._flat, self._frozen,
-                              self.model_desc.input_names, self.model_desc.output_names)
+                              self.model_desc.input_names, self.model_desc.output_names,
+                              feeds={LOSS_SCALE_INPUT: self._loss_scale} if self._loss_scaler else None)
         if self.options.debug.check_model_export:
             self._check_export(graph, inputs)
         self._graphs.put(signature, graph)
@@ -250,6 +399,9 @@ class ORTTrainer:
             frozen[prefix + name] = named[name].data
         self._frozen = frozen
         self._optimizer = make_optimizer(self.optim_config.name, self._flat.layout)
+        if self._pending_optimizer_state is not None and self._pending_optimizer_state["state"]:
+            self._load_optimizer_state(self._pending_optimizer_state)
+        self._pending_optimizer_state = None
 
     def _check_export(self, graph, inputs):
         """debug.check_model_export: the eval graph must match torch's eval-mode forward."""
@@ -266,6 +418,23 @@ class ORTTrainer:
                 difference = (ours - theirs).abs().max().item()
                 raise RuntimeError(f"debug.check_model_export: output {name!r} of the exported graph differs "
                                    f"from the torch model by up to {difference:.3g} (rtol 1e-3, atol 1e-5)")
+
+
+def _loss_scaling(options):
+    """(scaler, scale feed) under mixed precision, else (None, None).
+
+    The scale is a 0-d array bound to the training graph once and updated in place.
+    """
+    mixed_precision = options.mixed_precision
+    if not mixed_precision.enabled:
+        if mixed_precision.loss_scaler is not None:
+            raise ValueError("Invalid options: mixed_precision.loss_scaler is set, but mixed_precision.enabled "
+                             "is False (loss scaling is part of mixed precision)")
+        return None, None
+    scaler = mixed_precision.loss_scaler or DynamicLossScaler()
+    warnings.warn("mixed_precision.enabled: the graphs compute in fp32 (fp16 compute is not implemented yet); "
+                  "dynamic loss scaling and skipping updates with non-finite gradients are active")
+    return scaler, np.array(scaler.loss_scale, dtype=np.float32)
 
 
 def _check_shape(method, spec, shape, named_dims):

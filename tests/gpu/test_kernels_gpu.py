@@ -29,9 +29,9 @@ RTOL_MANY_STEPS = 1e-5
 # threads, 1024 elements per float4 pass), around Lamb's chunk (16384), and millions.
 LAYOUTS = {
     "one": [[1]],
-    "small": [[1, 3], [255, 256, 257], [1023, 1024, 1025, 7]],
+    "small": [[1, 3], [255, 256, 257], [1023, 1024, 1025, 7], [5, 1]],
     "chunks": [[16383, 1, 16385], [16384, 32769, 2]],
-    "many": "random",  # 150 tensors of random sizes in 3 groups (GPT-2-like counts)
+    "many": "random",  # 150 tensors of random sizes in 4 groups (GPT-2-like counts)
     "large": [[2_000_003, 5], [1_048_579, 1, 64]],
 }
 STEADY_LAYOUTS = ["one", "small", "chunks", "many"]  # for the 100-step runs
@@ -80,7 +80,7 @@ def make_layout(name, family, seed=0):
     if sizes == "random":
         rng = np.random.default_rng(seed)
         flat = rng.integers(1, 5000, size=150).tolist()
-        sizes = [flat[:40], flat[40:41], flat[41:]]
+        sizes = [flat[:40], flat[40:41], flat[41:149], flat[149:]]
     hypers = [HYPERS[family][k % len(HYPERS[family])] for k in range(len(sizes))]
     return FlatLayout.from_sizes(sizes, hypers)
 
