@@ -6,8 +6,10 @@
 
 One process, the same thread count for both engines (``torch.set_num_threads(N)``; ORTTrainer
 gives ONNX Runtime the same number of intra-op threads). Warmup, then ``--rounds`` interleaved
-rounds of ``--steps`` steps per engine (the order alternates each round); reports medians of the
-per-round ms/step and the ratio torch / ort (> 1: ORT is faster).
+rounds of ``--steps`` steps per engine (the order alternates each round); reports the median and
+the minimum of the per-round wall ms/step (the minimum: the round least disturbed by other load
+on a shared machine), the median process CPU ms/step, and the ratios torch / ort (> 1: ORT is
+faster).
 
 * train step, PyTorch: the notebook's loop: zero_grad, forward, CrossEntropyLoss, backward,
   clip_grad_norm_(0.5), torch.optim.Adam (default: foreach), loss.item().
@@ -158,14 +160,15 @@ def make_engine(name, ntokens, args):
 
 # ------------------------------------------------------------------------------------------ timing
 def run_steps(step, batches, count, offset):
-    start = time.perf_counter()
+    """(wall ms/step, process CPU ms/step) over ``count`` steps."""
+    cpu, start = time.process_time(), time.perf_counter()
     for k in range(count):
         step(*batches[(offset + k) % len(batches)])
-    return (time.perf_counter() - start) * 1000 / count
+    return ((time.perf_counter() - start) * 1000 / count, (time.process_time() - cpu) * 1000 / count)
 
 
 def time_phase(engines, phase, batches, args):
-    """{engine: [ms/step per round]}: warmup, then interleaved rounds (order alternating)."""
+    """{engine: [(wall, cpu) ms/step per round]}: warmup, then interleaved rounds (order alternating)."""
     for engine in engines:
         run_steps(getattr(engine, phase), batches, args.warmup, 0)
     per_round = {engine.name: [] for engine in engines}
@@ -177,9 +180,18 @@ def time_phase(engines, phase, batches, args):
 
 
 def summarize(per_round):
-    medians = {name: statistics.median(values) for name, values in per_round.items()}
-    return {"median_ms": medians, "per_round_ms": per_round,
-            "ratio_torch_over_ort": medians["torch"] / medians["ort"]}
+    """Medians (and minima: the rounds least disturbed by other load) of wall ms/step, median CPU
+    ms/step (all threads of the process), and the ratios torch / ort."""
+    wall = {name: [w for w, _ in values] for name, values in per_round.items()}
+    cpu = {name: [c for _, c in values] for name, values in per_round.items()}
+    medians = {name: statistics.median(values) for name, values in wall.items()}
+    minima = {name: min(values) for name, values in wall.items()}
+    cpu_medians = {name: statistics.median(values) for name, values in cpu.items()}
+    return {"median_ms": medians, "min_ms": minima, "cpu_median_ms": cpu_medians,
+            "per_round_ms": wall, "per_round_cpu_ms": cpu,
+            "ratio_torch_over_ort": medians["torch"] / medians["ort"],
+            "ratio_min_torch_over_ort": minima["torch"] / minima["ort"],
+            "ratio_cpu_torch_over_ort": cpu_medians["torch"] / cpu_medians["ort"]}
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -289,12 +301,13 @@ def print_table(result):
           f"threads {config['threads']} | {config['rounds']} rounds x {config['steps']} steps | "
           f"{result['environment']['cpu']}")
     print(f"{'':28s} {'torch ms':>10s} {'ort ms':>10s} {'torch/ort':>10s}")
-    rows = [("train step (median)", train)]
-    if "eval" in result:
-        rows.append(("eval step (median)", result["eval"]))
+    rows = [("train", train)] + ([("eval", result["eval"])] if "eval" in result else [])
     for label, phase in rows:
-        m = phase["median_ms"]
-        print(f"{label:28s} {m['torch']:10.1f} {m['ort']:10.1f} {phase['ratio_torch_over_ort']:10.2f}x")
+        for key, ratio, what in [("median_ms", "ratio_torch_over_ort", "median wall"),
+                                 ("min_ms", "ratio_min_torch_over_ort", "min wall"),
+                                 ("cpu_median_ms", "ratio_cpu_torch_over_ort", "median CPU")]:
+            m = phase[key]
+            print(f"{label + ' step, ' + what:28s} {m['torch']:10.1f} {m['ort']:10.1f} {phase[ratio]:10.2f}x")
     if "memory" in result:
         mem = result["memory"]
         print(f"{'':28s} {'torch MiB':>10s} {'ort MiB':>10s}")

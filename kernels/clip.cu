@@ -42,7 +42,7 @@ ort_trainer_clip_divisor_f32(const double* partials, int nparts, double max_norm
     if (threadIdx.x == 0) {
         const double norm = sqrt(s);
         double divisor = loss_scale;
-        if (norm >= divisor * max_norm) divisor = norm / max_norm;
+        if (norm > divisor * max_norm) divisor = norm / max_norm;
         out[0] = s;
         out[1] = norm;
         out[2] = divisor;

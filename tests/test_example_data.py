@@ -1,7 +1,5 @@
 """examples/wikitext2: the torchtext-equivalent data pipeline, loading, download failure, and a short run."""
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -133,57 +131,6 @@ def test_train_pytorch_end_to_end(text_slice, tmp_path, capsys):
     assert "resumed from" in capsys.readouterr().out
     assert [e["epoch"] for e in resumed["epochs"]] == [1, 2]
     assert resumed["epochs"][0] == metrics["epochs"][0]
-
-
-def test_ort_engine_wiring_with_a_stand_in_trainer(text_slice, monkeypatch):
-    """The ORT engine's calls into the trainer API, against a stand-in ORTTrainer running eager PyTorch."""
-    seen = {}
-
-    class StandInTrainer:
-        def __init__(self, model, model_desc, optim_config, loss_fn, options):
-            seen.update(model_desc=model_desc, optim_config=optim_config, options=options)
-            self.model, self.loss_fn, self.clip = model, loss_fn, optim_config["max_norm_clip"]
-            self.optimizer = torch.optim.Adam(model.parameters(), lr=optim_config["lr"])
-
-        def train_step(self, data, targets):
-            self.model.train()
-            self.optimizer.zero_grad()
-            output = self.model(data)
-            loss = self.loss_fn(output, targets)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-            self.optimizer.step()
-            return loss, output
-
-        @torch.no_grad()
-        def eval_step(self, data, targets):
-            self.model.eval()
-            output = self.model(data)
-            return self.loss_fn(output, targets), output
-
-    stand_in = types.SimpleNamespace(ORTTrainer=StandInTrainer, ORTTrainerOptions=dict,
-                                     optim=types.SimpleNamespace(AdamConfig=dict))
-    monkeypatch.setitem(sys.modules, "ort_trainer", stand_in)
-    ort = main(_short_run(text_slice, "--engine", "ort"))
-    ntokens = ort["ntokens"]
-    assert seen == {"model_desc": {"inputs": [("src", ["bptt", "batch_size"]), ("label", ["bptt_x_batch_size"])],
-                                   "outputs": [("loss", [], True), ("output", ["bptt", "batch_size", ntokens])]},
-                    "optim_config": {"lr": 0.001, "max_norm_clip": 0.5},
-                    "options": {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": True}}}
-    reference = main(_short_run(text_slice, "--engine", "pytorch"))
-    assert ort["epochs"][0]["valid_loss"] == reference["epochs"][0]["valid_loss"]
-    assert ort["test_loss"] == reference["test_loss"]
-    with pytest.raises(SystemExit, match="save_checkpoint and .load_checkpoint"):
-        main(_short_run(text_slice, "--engine", "ort", "--checkpoint-dir", str(text_slice.parent / "ckpt")))
-
-
-def test_ort_engine_matches_pytorch(text_slice):
-    """Same seed, dropout 0: both engines start from the same weights and see the same batches."""
-    pytest.importorskip("ort_trainer", reason="ort_trainer is not importable")
-    reference = main(_short_run(text_slice, "--engine", "pytorch"))
-    ort = main(_short_run(text_slice, "--engine", "ort"))
-    for key in ("test_loss", "best_valid_loss"):
-        assert ort[key] == pytest.approx(reference[key], rel=1e-3)
 
 
 def test_cli_without_data_is_a_clear_error(tmp_path):

@@ -84,10 +84,6 @@ class ORTEngine:
         options = ORTTrainerOptions({'device': {'id': args.device}, 'utils': {'grad_norm_clip': True}})
         self.trainer = ORTTrainer(model, model_desc, optim.AdamConfig(lr=args.lr, max_norm_clip=args.clip),
                                   loss_fn=loss_fn, options=options)
-        missing = [m for m in ("save_checkpoint", "load_checkpoint") if not hasattr(self.trainer, m)]
-        if args.checkpoint_dir and missing:
-            raise SystemExit(f"error: --checkpoint-dir needs ORTTrainer.{' and .'.join(missing)}, which "
-                             f"this ort_trainer does not have yet; run without --checkpoint-dir")
 
     @property
     def model(self):

@@ -1,0 +1,143 @@
+"""fast_softmax_cross_entropy: the rewritten loss graphs give torch's loss and gradients.
+
+Each case exports a small model + loss, builds the training and eval graphs (build_graphs applies
+the rewrite), runs them in plain ONNX Runtime sessions and compares with torch autograd.
+"""
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+import torch.nn as nn
+
+from ort_trainer import _export
+from ort_trainer._graph import build_graphs, builder_session_options, fast_softmax_cross_entropy
+
+CLASSES = 11
+LOSS_OPS = {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad"}
+
+
+class Head(nn.Module):
+    """Logits [rows, CLASSES] (or [rows, CLASSES, extra] with spatial=True) from features."""
+
+    def __init__(self, spatial=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, CLASSES * (3 if spatial else 1))
+        self.spatial = spatial
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out.view(x.shape[0], CLASSES, 3) if self.spatial else out
+
+
+def _rows(count, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(count, 6, generator=generator) * 3, generator
+
+
+def _labels(generator, shape, ignored=(), ignore_value=-100):
+    labels = torch.randint(0, CLASSES, shape, generator=generator)
+    for row in ignored:
+        labels[row] = ignore_value
+    return labels
+
+
+def run(loss_fn, x, labels, spatial=False):
+    """(training graph, eval graph, ours {loss, eval_loss, grads}, torch's {loss, grads})."""
+    model = Head(spatial)
+    exported = _export.export_training_model(model, loss_fn, 1, ["x", "labels"], ["loss", "logits"],
+                                             [x, labels], 14)
+    names = [_export.MODEL_PREFIX + name for name, _ in model.named_parameters()]
+    training, evaluation = build_graphs(exported, names, [], ["loss", "logits"], "loss")
+    params = {_export.MODEL_PREFIX + name: p.detach().numpy() for name, p in model.named_parameters()}
+    feeds = {"x": x.numpy(), "labels": labels.numpy(), **params}
+    options = builder_session_options()
+    options.intra_op_num_threads = 1
+    train_session = onnxruntime.InferenceSession(training, options, providers=["CPUExecutionProvider"])
+    outputs = dict(zip([o.name for o in train_session.get_outputs()], train_session.run(None, feeds)))
+    eval_session = onnxruntime.InferenceSession(evaluation, options, providers=["CPUExecutionProvider"])
+    eval_feeds = {i.name: feeds[i.name] for i in eval_session.get_inputs()}
+    eval_loss = eval_session.run(["loss"], eval_feeds)[0]
+    ours = {"loss": float(outputs["loss"]), "eval_loss": float(eval_loss),
+            "grads": {name: outputs[f"{name}_grad"] for name in names}}
+
+    loss = loss_fn(model(x), labels)
+    loss.backward()
+    theirs = {"loss": loss.item(),
+              "grads": {_export.MODEL_PREFIX + name: p.grad.numpy() for name, p in model.named_parameters()}}
+    return onnx.load_from_string(training), onnx.load_from_string(evaluation), ours, theirs
+
+
+def op_types(model):
+    return {node.op_type for node in model.graph.node}
+
+
+def assert_matches(ours, theirs, tolerance=1e-6):
+    assert abs(ours["loss"] - theirs["loss"]) <= tolerance * abs(theirs["loss"]), (ours["loss"], theirs["loss"])
+    assert abs(ours["eval_loss"] - theirs["loss"]) <= tolerance * abs(theirs["loss"])
+    for name, expected in theirs["grads"].items():
+        error = np.abs(ours["grads"][name] - expected).max() / np.abs(expected).max()
+        assert error <= tolerance, (name, error)
+
+
+@pytest.mark.parametrize("ignored", [(), (0, 3, 4)], ids=["all_rows", "ignore_index_rows"])
+def test_rewritten_loss_matches_torch(ignored):
+    x, generator = _rows(8)
+    labels = _labels(generator, (8,), ignored)
+    training, evaluation, ours, theirs = run(nn.functional.cross_entropy, x, labels)
+    assert not op_types(training) & LOSS_OPS and not op_types(evaluation) & LOSS_OPS
+    assert {"LogSoftmax", "ScatterElements"} <= op_types(training)
+    assert_matches(ours, theirs)
+
+
+def test_custom_ignore_index_matches_torch():
+    x, generator = _rows(8, seed=1)
+    labels = _labels(generator, (8,), ignored=(1, 2), ignore_value=5)
+    training, _, ours, theirs = run(lambda out, t: nn.functional.cross_entropy(out, t, ignore_index=5), x, labels)
+    assert not op_types(training) & LOSS_OPS
+    assert_matches(ours, theirs)
+
+
+def test_spatial_logits_match_torch():
+    """Logits [N, C, d] with labels [N, d]: LogSoftmax on axis 1, gathers along the class axis."""
+    x, generator = _rows(5, seed=2)
+    labels = _labels(generator, (5, 3))
+    labels[1, 2] = -100
+    training, _, ours, theirs = run(nn.functional.cross_entropy, x, labels, spatial=True)
+    assert not op_types(training) & LOSS_OPS
+    assert_matches(ours, theirs)
+
+
+def test_every_row_ignored_gives_nan_loss_and_zero_gradients():
+    x, generator = _rows(4, seed=3)
+    labels = torch.full((4,), -100)
+    _, _, ours, theirs = run(nn.functional.cross_entropy, x, labels)
+    assert np.isnan(ours["loss"]) and np.isnan(theirs["loss"]) and np.isnan(ours["eval_loss"])
+    for name, grad in ours["grads"].items():
+        assert not grad.any(), name
+        assert not theirs["grads"][name].any(), name
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda out, t: nn.functional.cross_entropy(out, t, weight=torch.linspace(0.5, 2.0, CLASSES)),
+    lambda out, t: nn.functional.cross_entropy(out, t, reduction="sum"),
+], ids=["class_weights", "reduction_sum"])
+def test_other_losses_are_left_alone(loss_fn):
+    x, generator = _rows(8, seed=4)
+    labels = _labels(generator, (8,), ignored=(2,))
+    training, evaluation, ours, theirs = run(loss_fn, x, labels)
+    assert LOSS_OPS <= op_types(training) and "SoftmaxCrossEntropyLoss" in op_types(evaluation)
+    assert "LogSoftmax" not in op_types(training)
+    assert_matches(ours, theirs, tolerance=1e-5)
+
+
+def test_untyped_or_old_opset_models_are_left_alone():
+    node = onnx.helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"], reduction="mean")
+    graph = onnx.helper.make_graph([node], "g", [], [])  # no types known for logits or loss
+    assert fast_softmax_cross_entropy(onnx.helper.make_model(graph, opset_imports=[
+        onnx.helper.make_opsetid("", 14)])) == 0
+    graph = onnx.helper.make_graph([node], "g", [], [
+        onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])])
+    assert fast_softmax_cross_entropy(onnx.helper.make_model(graph, opset_imports=[
+        onnx.helper.make_opsetid("", 12)])) == 0
