@@ -5,7 +5,7 @@ import torch
 from ._optimizers import FlatLayout
 
 
-def _as_torch(array):
+def as_torch(array):
     """A torch tensor sharing memory with a NumPy (or CuPy, via DLPack) array."""
     if isinstance(array, np.ndarray):
         return torch.from_numpy(array)
@@ -29,7 +29,7 @@ class FlatParameters:
         self.grads = xp.zeros(total, dtype=np.float32)
         self.shapes = {name: tuple(named_parameters[name].shape) for name in self.names}
         self.offsets = dict(zip(self.names, (int(o) for o in self.layout.seg_offsets[:-1])))
-        flat_params = _as_torch(self.params)
+        flat_params = as_torch(self.params)
         for name in self.names:
             parameter = named_parameters[name]
             view = flat_params[self.offsets[name]: self.offsets[name] + parameter.numel()].view(parameter.shape)

@@ -1,10 +1,12 @@
 """ONNX Runtime sessions bound to the flat buffers, one compiled graph per input signature."""
+import contextlib
 from collections import OrderedDict
 
 import numpy as np
 import onnxruntime
 import torch
 
+from ._cuda import require_cuda
 from ._graph import builder_session_options
 
 _ORT_TYPE_TO_TORCH = {
@@ -34,11 +36,27 @@ class Placement:
         self.torch_device = torch.device(device_id)
         self.ort_device = self.torch_device.type
         self.index = self.torch_device.index or 0
-        if self.ort_device != "cpu":
-            raise NotImplementedError(f"device.id={device_id!r}: the CUDA training path is not supported yet; use 'cpu'")
-        self.providers = ["CPUExecutionProvider"]
         self.threads = threads
         self.deterministic = deterministic
+        self.xp, self.stream, self.run_options = np, None, None
+        self.providers = ["CPUExecutionProvider"]
+        if self.ort_device == "cuda":
+            self._use_cuda()
+
+    def _use_cuda(self):
+        """One stream for everything: ORT computes on torch's current stream (so the caller's
+        inputs are ready), does not sync after a run, and the CuPy optimizer queues behind it."""
+        self.xp = require_cuda(self.index)
+        self.stream = torch.cuda.current_stream(self.torch_device)
+        self.providers = [("CUDAExecutionProvider", {
+            "device_id": str(self.index), "has_user_compute_stream": "1",
+            "user_compute_stream": str(self.stream.cuda_stream)}), "CPUExecutionProvider"]
+        self.run_options = onnxruntime.RunOptions()
+        self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+
+    def on_stream(self):
+        """Context in which CuPy work joins the graphs' stream (nothing to do on the CPU)."""
+        return contextlib.nullcontext() if self.stream is None else self.xp.cuda.ExternalStream(self.stream.cuda_stream)
 
     def session_options(self):
         options = builder_session_options()
@@ -121,7 +139,7 @@ class CompiledGraph:
             tensor = torch.empty(shape, dtype=dtype, device=self._placement.torch_device)
             self._placement.bind(binding, name, True, _TORCH_TO_NUMPY[dtype], shape, tensor.data_ptr())
             outputs.append(tensor)
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, self._placement.run_options)
         return outputs
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from . import _checkpoint, _export
-from ._flat import FlatParameters
+from ._flat import FlatParameters, as_torch
 from ._graph import LOSS_SCALE_INPUT, build_graphs
 from ._model_desc import parse_model_desc
 from ._optimizers import _OPTIMIZERS, clip_divisor, make_optimizer
@@ -87,10 +87,10 @@ class ORTTrainer:
         # Validates param groups now (unknown names fail here, before any work).
         optim_config.resolve_groups([name for name in named if name not in self._frozen_names])
 
-        self._lr_scheduler = options.lr_scheduler
-        self._loss_scaler, self._loss_scale = _loss_scaling(options)
         self._placement = Placement(options.device.id, torch.get_num_threads(),
                                     options.debug.deterministic_compute)
+        self._lr_scheduler = options.lr_scheduler
+        self._loss_scaler, self._loss_scale = _loss_scaling(options, self._placement.xp)
         self._graphs = GraphCache(options.utils.max_cached_graphs)
         self._input_dtypes = None
         self._sample_inputs = None
@@ -113,7 +113,8 @@ class ORTTrainer:
             outputs = graph.run(True, inputs, self._flat.grads)
         else:
             outputs = graph.run(True, inputs, self._accumulation_scratch())
-            self._flat.grads += self._scratch
+            with self._placement.on_stream():
+                self._flat.grads += self._scratch
         self._train_step_info.step += 1
         if micro_step == accumulation - 1:
             self._update()
@@ -133,14 +134,15 @@ class ORTTrainer:
         lr = self._lr_scheduler._step(info)[0] if self._lr_scheduler is not None else self.optim_config.lr
         clip = self.options.utils.grad_norm_clip
         divisor, info.all_finite = 1.0, True
-        if clip or self._loss_scaler is not None:
-            loss_scale = float(self._loss_scale) if self._loss_scaler is not None else 1.0
-            max_norm = self.optim_config.max_norm_clip if clip else math.inf
-            divisor, norm = clip_divisor(self._flat.grads, max_norm, loss_scale)
-            info.all_finite = self._loss_scaler is None or math.isfinite(norm)
-        if info.all_finite:
-            self._optimizer.step(self._flat.params, self._flat.grads, lr, divisor)
-            info.optimization_step += 1
+        with self._placement.on_stream():
+            if clip or self._loss_scaler is not None:
+                loss_scale = float(self._loss_scale) if self._loss_scaler is not None else 1.0
+                max_norm = self.optim_config.max_norm_clip if clip else math.inf
+                divisor, norm = clip_divisor(self._flat.grads, max_norm, loss_scale)
+                info.all_finite = self._loss_scaler is None or math.isfinite(norm)  # a host sync, only then
+            if info.all_finite:
+                self._optimizer.step(self._flat.params, self._flat.grads, lr, divisor)
+                info.optimization_step += 1
         if self._loss_scaler is not None:
             self._loss_scale[...] = self._loss_scaler.update(info)
 
@@ -219,7 +221,7 @@ class ORTTrainer:
         if self._optimizer is None:
             return self._pending_optimizer_state["state"] if self._pending_optimizer_state else {}
         prefix = len(_export.MODEL_PREFIX)
-        return {state: {name[prefix:]: torch.from_numpy(self._flat.view(array, name).copy())
+        return {state: {name[prefix:]: as_torch(self._flat.view(array, name)).to("cpu", copy=True)
                         for name in self._flat.names}
                 for state, array in self._optimizer.state.items()}
 
@@ -228,9 +230,9 @@ class ORTTrainer:
         prefix = _export.MODEL_PREFIX
         state = {}
         for state_name, array in self._optimizer.state.items():
-            flat = np.empty_like(array)
+            flat = array.copy()
             for name in self._flat.names:
-                self._flat.view(flat, name)[...] = optimizer["state"][state_name][name[len(prefix):]].numpy()
+                as_torch(self._flat.view(flat, name)).copy_(optimizer["state"][state_name][name[len(prefix):]])
             state[state_name] = flat
         self._optimizer.load_state_dict({"step_count": optimizer["step_count"], "state": state})
 
@@ -392,13 +394,13 @@ class ORTTrainer:
         groups = [([prefix + name for name in names if name in used], hyper)
                   for names, hyper in self.optim_config.resolve_groups(trainable)]
         groups = [(names, hyper) for names, hyper in groups if names]
-        self._flat = FlatParameters({prefix + name: p for name, p in named.items()}, groups)
+        self._flat = FlatParameters({prefix + name: p for name, p in named.items()}, groups, self._placement.xp)
         frozen = {}
         for name in sorted(self._frozen_names & used):
             named[name].data = named[name].data.contiguous()
             frozen[prefix + name] = named[name].data
         self._frozen = frozen
-        self._optimizer = make_optimizer(self.optim_config.name, self._flat.layout)
+        self._optimizer = make_optimizer(self.optim_config.name, self._flat.layout, self._placement.xp)
         if self._pending_optimizer_state is not None and self._pending_optimizer_state["state"]:
             self._load_optimizer_state(self._pending_optimizer_state)
         self._pending_optimizer_state = None
@@ -420,10 +422,11 @@ class ORTTrainer:
                                    f"from the torch model by up to {difference:.3g} (rtol 1e-3, atol 1e-5)")
 
 
-def _loss_scaling(options):
+def _loss_scaling(options, xp):
     """(scaler, scale feed) under mixed precision, else (None, None).
 
-    The scale is a 0-d array bound to the training graph once and updated in place.
+    The scale is a 0-d array (on the graphs' device) bound to the training graph once and
+    updated in place.
     """
     mixed_precision = options.mixed_precision
     if not mixed_precision.enabled:
@@ -434,7 +437,7 @@ def _loss_scaling(options):
     scaler = mixed_precision.loss_scaler or DynamicLossScaler()
     warnings.warn("mixed_precision.enabled: the graphs compute in fp32 (fp16 compute is not implemented yet); "
                   "dynamic loss scaling and skipping updates with non-finite gradients are active")
-    return scaler, np.array(scaler.loss_scale, dtype=np.float32)
+    return scaler, xp.array(scaler.loss_scale, dtype=np.float32)
 
 
 def _check_shape(method, spec, shape, named_dims):

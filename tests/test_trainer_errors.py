@@ -166,3 +166,14 @@ def test_wrong_output_count_in_model_desc():
     trainer = ORTTrainer(models.mlp(), desc, optim.AdamConfig(), loss_fn=models.mlp_loss)
     with pytest.raises(RuntimeError, match=re.escape("model_desc names 1 outputs ['loss'], but the exported model")):
         trainer.train_step(*models.mlp_batch(0))
+
+
+def test_cuda_without_a_gpu_build_is_a_clear_error_not_a_cpu_fallback():
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this ONNX Runtime has a CUDA provider")
+    with pytest.raises(RuntimeError, match=re.escape(
+            "device.id asks for CUDA, but the installed ONNX Runtime 1.19.2 has no CUDAExecutionProvider "
+            "(a CPU build?): pip install 'ort-trainer[gpu]'")):
+        mlp_trainer(device={"id": "cuda:0"})
