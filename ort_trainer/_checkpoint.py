@@ -155,3 +155,16 @@ def compare_keys(what: str, expected: Mapping, actual: Mapping) -> None:
     problems += _listed(mismatches, "more mismatches")
     if problems:
         raise ValueError(f"{what}: " + "; ".join(problems))
+
+
+def check_component_state(owner, state) -> str:
+    """The common checks of a scheduler's or scaler's load_state_dict: a dict with exactly the keys
+    of ``owner.state_dict()`` and ``owner``'s type. Returns the error prefix for further checks."""
+    name = type(owner).__name__
+    prefix = f"Invalid {name} state_dict"
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{prefix}: expected a dict, got {type(state).__name__}")
+    compare_keys(prefix, owner.state_dict(), state)
+    if state["type"] != name:
+        raise ValueError(f"{prefix}: type: must be {name!r}, got {state['type']!r}")
+    return prefix

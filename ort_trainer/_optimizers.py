@@ -355,9 +355,12 @@ class FlatOptimizer:
             self._device_step(params, grads, float(lr), grad_divisor)
         else:
             flat = [torch.from_numpy(array) for array in (params, grads, *self.state.values())]
-            for index, group in enumerate(self.layout.groups):
-                self._cpu_group_step(index, group, flat, float(lr), float(grad_divisor))
+            self._cpu_step(flat, float(lr), float(grad_divisor))
         self.step_count += 1
+
+    def _cpu_step(self, flat, lr, grad_divisor):
+        for index, group in enumerate(self.layout.groups):
+            self._cpu_group_step(index, group, flat, lr, grad_divisor)
 
     def state_dict(self) -> dict:
         """A snapshot: {'step_count': int, 'state': {name: copy of the flat array}}."""
@@ -583,13 +586,31 @@ class Lamb(FlatOptimizer):
                                      list(self._direction[start:stop].split(piece_sizes))))
         return blocks
 
-    def _cpu_group_step(self, index, group, flat, lr, grad_divisor):
+    # ZeRO (CPU path): segment_sums(params_sumsq, direction_sumsq) completes, in place, the
+    # per-segment float64 sums of squares of this shard into those of the whole tensors.
+    segment_sums = None
+
+    def _cpu_step(self, flat, lr, grad_divisor):
+        """Pass 1 for every group, then ``segment_sums``, then pass 2 for every group."""
+        num_segments = self.layout.seg_offsets.size - 1
+        params_sumsq, direction_sumsq = np.zeros(num_segments), np.zeros(num_segments)
+        groups = [(index, group, slice(group.seg_start, group.seg_stop))
+                  for index, group in enumerate(self.layout.groups)]
+        for index, group, segments in groups:
+            self._cpu_direction_pass(index, group, flat, grad_divisor, params_sumsq[segments],
+                                     direction_sumsq[segments])
+        if self.segment_sums is not None:
+            self.segment_sums(params_sumsq, direction_sumsq)
+        for index, group, segments in groups:
+            self._cpu_update_pass(index, group, flat[0], lr, params_sumsq[segments],
+                                  direction_sumsq[segments])
+
+    def _cpu_direction_pass(self, index, group, flat, grad_divisor, params_sumsq, direction_sumsq):
+        """New moments and direction d; adds each tensor's squared norms of w and d to the sums."""
         hyper, t = group.hyper, self.step_count + 1
         alpha, beta = hyper["alpha"], hyper["beta"]
         decay, eps = hyper["lambda_coef"], hyper["epsilon"]
         params, grads, exp_avg, exp_avg_sq = flat
-        num_segments = group.seg_stop - group.seg_start
-        params_sumsq, direction_sumsq = np.zeros(num_segments), np.zeros(num_segments)
 
         for block in self._blocks[index]:
             w, m, v, d = (tensor[block.start:block.stop]
@@ -622,6 +643,9 @@ class Lamb(FlatOptimizer):
             direction_sumsq[block.seg_lo:block.seg_hi] += block_direction_sumsq
             params_sumsq[block.seg_lo:block.seg_hi] += self._piece_sumsq(w, squares, block)
 
+    def _cpu_update_pass(self, index, group, params, lr, params_sumsq, direction_sumsq):
+        """w -= lr * ratio * d, the trust ratio from each tensor's norms."""
+        hyper = group.hyper
         step_sizes = lr * _trust_ratio(params_sumsq, direction_sumsq,
                                        hyper["ratio_min"], hyper["ratio_max"])
         largest_result = np.sqrt(params_sumsq) + np.abs(step_sizes) * np.sqrt(direction_sumsq)

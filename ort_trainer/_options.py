@@ -6,9 +6,6 @@ from ._validation import load_schema, validate
 # Options that validate but are not implemented yet: path -> feature. Any value other than the
 # default raises NotImplementedError. Remove an entry when its feature lands.
 _NOT_YET_SUPPORTED = {
-    "distributed.world_rank": "distributed training",
-    "distributed.world_size": "distributed training",
-    "distributed.local_rank": "distributed training",
     "distributed.data_parallel_size": "data parallelism",
     "distributed.horizontal_parallel_size": "Megatron horizontal parallelism",
     "distributed.pipeline_parallel.pipeline_parallel_size": "pipeline parallelism",
@@ -17,8 +14,6 @@ _NOT_YET_SUPPORTED = {
     "distributed.pipeline_parallel.sliced_schema": "pipeline parallelism",
     "distributed.pipeline_parallel.sliced_axes": "pipeline parallelism",
     "distributed.pipeline_parallel.sliced_tensor_names": "pipeline parallelism",
-    "distributed.allreduce_post_accumulation": "distributed training",
-    "distributed.deepspeed_zero_optimization.stage": "ZeRO optimizer sharding",
     "distributed.enable_adasum": "Adasum",
     "graph_transformer.attn_dropout_recompute": "recomputation",
     "graph_transformer.gelu_recompute": "recomputation",

@@ -6,11 +6,11 @@ import warnings
 import numpy as np
 import torch
 
-from . import _checkpoint, _export
+from . import _checkpoint, _distributed, _export
 from ._flat import FlatParameters, as_torch
 from ._graph import LOSS_SCALE_INPUT, build_graphs
 from ._model_desc import parse_model_desc
-from ._optimizers import _OPTIMIZERS, clip_divisor, make_optimizer
+from ._optimizers import _OPTIMIZERS
 from ._options import ORTTrainerOptions
 from ._session import CompiledGraph, GraphCache, Placement
 from .amp import DynamicLossScaler
@@ -87,6 +87,7 @@ class ORTTrainer:
         # Validates param groups now (unknown names fail here, before any work).
         optim_config.resolve_groups([name for name in named if name not in self._frozen_names])
 
+        self._distributed = _distributed.setup(options)
         self._placement = Placement(options.device.id, torch.get_num_threads(),
                                     options.debug.deterministic_compute)
         self._lr_scheduler = options.lr_scheduler
@@ -111,12 +112,15 @@ class ORTTrainer:
         micro_step = self._train_step_info.step % accumulation
         if micro_step == 0:
             outputs = graph.run(True, inputs, self._flat.grads)
+            self._distributed.reduce_gradients(self._flat.grads, accumulated=False)
         else:
             outputs = graph.run(True, inputs, self._accumulation_scratch())
+            self._distributed.reduce_gradients(self._scratch, accumulated=False)
             with self._placement.on_stream():
                 self._flat.grads += self._scratch
         self._train_step_info.step += 1
         if micro_step == accumulation - 1:
+            self._distributed.reduce_gradients(self._flat.grads, accumulated=True)
             self._update()
         return outputs[0] if len(outputs) == 1 else outputs
 
@@ -138,7 +142,7 @@ class ORTTrainer:
             if clip or self._loss_scaler is not None:
                 loss_scale = float(self._loss_scale) if self._loss_scaler is not None else 1.0
                 max_norm = self.optim_config.max_norm_clip if clip else math.inf
-                divisor, norm = clip_divisor(self._flat.grads, max_norm, loss_scale)
+                divisor, norm = self._distributed.clip_divisor(self._flat.grads, max_norm, loss_scale)
                 info.all_finite = self._loss_scaler is None or math.isfinite(norm)  # a host sync, only then
             if info.all_finite:
                 self._optimizer.step(self._flat.params, self._flat.grads, lr, divisor)
@@ -164,6 +168,7 @@ class ORTTrainer:
 
         `state_dict()['model']` loads into the plain torch model. Optimizer state is stored per
         parameter (`optimizer.state[<name>][<param>]`), so it does not depend on the flat layout.
+        Under ZeRO stage 1 the full state is gathered from every rank: every rank must call it.
         """
         info = self._train_step_info
         return {
@@ -196,17 +201,24 @@ class ORTTrainer:
             self._loss_scale[...] = self._loss_scaler.loss_scale
 
     def save_checkpoint(self, path, user_dict=None):
-        """Writes `state_dict()` (plus `user_dict`) to `path` atomically (torch.save format)."""
+        """Writes `state_dict()` (plus `user_dict`) to `path` atomically (torch.save format).
+
+        Distributed, every rank must call it: rank 0 writes `path`, with the full optimizer state
+        (under ZeRO stage 1 gathered from every rank, so it loads on any world size), and under
+        ZeRO each rank also writes its own optimizer shard to `<path>.rank<r>-of-<n>`. It returns
+        when every file is written, or raises on every rank if one rank failed."""
         micro_step = self._train_step_info.step % self.options.batch.gradient_accumulation_steps
         if micro_step:
             raise RuntimeError(
                 f"save_checkpoint() in the middle of a gradient-accumulation cycle (micro-step {micro_step} of "
                 f"{self.options.batch.gradient_accumulation_steps}) would lose the accumulated gradients; "
                 "save right after an update")
-        _checkpoint.save(path, {**self.state_dict(), "user_dict": user_dict or {}})
+        self._distributed.save_checkpoint(path, {**self.state_dict(), "user_dict": user_dict or {}}, self._optimizer)
 
     def load_checkpoint(self, path, strict=True):
-        """Loads a `save_checkpoint()` file; returns its `user_dict`."""
+        """Loads a `save_checkpoint()` file; returns its `user_dict`. Distributed, every rank loads
+        the same `path` (under ZeRO, each keeps its shard of the optimizer state, whatever the
+        world size that saved it)."""
         state = _checkpoint.load(path)
         user_dict = state.pop("user_dict", {})
         self.load_state_dict(state, strict=strict)
@@ -400,7 +412,7 @@ class ORTTrainer:
             named[name].data = named[name].data.contiguous()
             frozen[prefix + name] = named[name].data
         self._frozen = frozen
-        self._optimizer = make_optimizer(self.optim_config.name, self._flat.layout, self._placement.xp)
+        self._optimizer = self._distributed.make_optimizer(self.optim_config.name, self._flat, self._placement.xp)
         if self._pending_optimizer_state is not None and self._pending_optimizer_state["state"]:
             self._load_optimizer_state(self._pending_optimizer_state)
         self._pending_optimizer_state = None

@@ -177,3 +177,45 @@ def test_cuda_without_a_gpu_build_is_a_clear_error_not_a_cpu_fallback():
             "device.id asks for CUDA, but the installed ONNX Runtime 1.19.2 has no CUDAExecutionProvider "
             "(a CPU build?): pip install 'ort-trainer[gpu]'")):
         mlp_trainer(device={"id": "cuda:0"})
+
+
+class TrainingOnlyScale(nn.Module):
+    """Exports differently from its eval-mode forward: what check_model_export exists to catch."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return (y * 2 if self.training else y).pow(2).mean()
+
+
+def test_check_model_export_reports_a_graph_that_differs_from_torch():
+    desc = {"inputs": [("x", ["n", 4])], "outputs": [("loss", [], True)]}
+    checked = ORTTrainer(TrainingOnlyScale(), desc, optim.SGDConfig(),
+                         options=ORTTrainerOptions({"debug": {"check_model_export": True}}))
+    before = snapshot(checked)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "debug.check_model_export: output 'loss' of the exported graph differs from the torch model by up to")):
+        checked.train_step(torch.randn(3, 4))
+    assert_unchanged(checked, before, steps=0)
+    fine = mlp_trainer(debug={"check_model_export": True, "deterministic_compute": True})
+    fine.train_step(*models.mlp_batch(0))
+    assert fine.train_step_info.step == 1
+
+
+def test_opset_version_option_is_used(monkeypatch):
+    from ort_trainer import _export
+
+    exported = []
+    original = _export.export_training_model
+
+    def spy(*args):
+        exported.append(original(*args))
+        return exported[-1]
+
+    monkeypatch.setattr(_export, "export_training_model", spy)
+    trainer = mlp_trainer(_internal_use={"onnx_opset_version": 15})
+    trainer.train_step(*models.mlp_batch(0))
+    assert [o.version for o in exported[0].opset_import if o.domain in ("", "ai.onnx")] == [15]

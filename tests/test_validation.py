@@ -207,9 +207,6 @@ def test_options_not_a_dict(options):
 
 # A non-default value for every gated option; kept in step with _NOT_YET_SUPPORTED by the test below.
 NON_DEFAULT = {
-    "distributed.world_rank": 1,
-    "distributed.world_size": 2,
-    "distributed.local_rank": 1,
     "distributed.data_parallel_size": 2,
     "distributed.horizontal_parallel_size": 2,
     "distributed.pipeline_parallel.pipeline_parallel_size": 2,
@@ -218,8 +215,6 @@ NON_DEFAULT = {
     "distributed.pipeline_parallel.sliced_schema": {"x": [0]},
     "distributed.pipeline_parallel.sliced_axes": {"x": 0},
     "distributed.pipeline_parallel.sliced_tensor_names": ["x"],
-    "distributed.allreduce_post_accumulation": True,
-    "distributed.deepspeed_zero_optimization.stage": 1,
     "distributed.enable_adasum": True,
     "graph_transformer.attn_dropout_recompute": True,
     "graph_transformer.gelu_recompute": True,

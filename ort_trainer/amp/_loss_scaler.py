@@ -3,7 +3,7 @@ gradients do not underflow; the gradients are divided by it again before the upd
 import abc
 from collections.abc import Mapping
 
-from .._checkpoint import compare_keys
+from .._checkpoint import check_component_state
 from .._validation import validate
 
 
@@ -110,11 +110,5 @@ class DynamicLossScaler(LossScaler):
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore ``state_dict()`` output; like torch's GradScaler, the checkpoint's settings win."""
-        name = type(self).__name__
-        prefix = f"Invalid {name} state_dict"
-        if not isinstance(state, Mapping):
-            raise TypeError(f"{prefix}: expected a dict, got {type(state).__name__}")
-        compare_keys(prefix, self.state_dict(), state)
-        if state["type"] != name:
-            raise ValueError(f"{prefix}: type: must be {name!r}, got {state['type']!r}")
+        prefix = check_component_state(self, state)
         self._configure(prefix, {key: value for key, value in state.items() if key != "type"})

@@ -13,7 +13,7 @@ number ``total_steps`` is the one that reaches the end of the decay (Linear and 
 import math
 from collections.abc import Mapping
 
-from .._checkpoint import compare_keys
+from .._checkpoint import check_component_state
 from .._validation import validate
 
 
@@ -71,13 +71,7 @@ class _LRScheduler:
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore ``state_dict()`` output; like torch's schedulers, the checkpoint's hyperparameters win."""
-        name = type(self).__name__
-        prefix = f"Invalid {name} state_dict"
-        if not isinstance(state, Mapping):
-            raise TypeError(f"{prefix}: expected a dict, got {type(state).__name__}")
-        compare_keys(prefix, self.state_dict(), state)
-        if state["type"] != name:
-            raise ValueError(f"{prefix}: type: must be {name!r}, got {state['type']!r}")
+        prefix = check_component_state(self, state)
         self._configure(prefix, {key: state[key] for key in [*self._config, "last_lr"]})
 
 

@@ -1,0 +1,42 @@
+"""Install-level behaviour: the ImportError without a training build, package data in the wheel."""
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+
+def test_inference_only_onnxruntime_is_named_in_the_import_error(tmp_path):
+    fake = tmp_path / "onnxruntime"
+    (fake / "capi").mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '1.30.0'\n")
+    (fake / "capi" / "__init__.py").write_text("")
+    (fake / "capi" / "_pybind_state.py").write_text("")  # no GradientGraphBuilder: inference only
+    result = subprocess.run([sys.executable, "-c", "import ort_trainer"], capture_output=True, text=True,
+                            env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: ort-trainer needs ONNX Runtime's training build, but onnxruntime-training-cpu==")
+    assert last.endswith("is installed, an inference-only build without the gradient builder. Uninstall it, then "
+                         "pip install 'ort-trainer[cpu]' (CPU) or 'ort-trainer[gpu]' (CUDA)")
+
+
+def test_missing_onnxruntime_says_which_extra_to_install(tmp_path):
+    (tmp_path / "onnxruntime.py").write_text("raise ImportError('No module named onnxruntime')\n")
+    result = subprocess.run([sys.executable, "-c", "import ort_trainer"], capture_output=True, text=True,
+                            env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert result.stderr.strip().splitlines()[-1] == (
+        "ImportError: ort-trainer needs ONNX Runtime's training build, and onnxruntime is not importable "
+        "(No module named onnxruntime): pip install 'ort-trainer[cpu]' (CPU) or 'ort-trainer[gpu]' (CUDA)")
+
+
+@pytest.mark.slow
+def test_wheel_ships_kernels_and_schemas(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), "."], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("ort_trainer-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for expected in ("ort_trainer/kernels/adam.cu", "ort_trainer/kernels/common.cuh", "ort_trainer/schemas/options.yaml",
+                     "ort_trainer/schemas/model_desc.yaml", "ort_trainer/amp/__init__.py",
+                     "ort_trainer/optim/lr_scheduler.py"):
+        assert expected in names
