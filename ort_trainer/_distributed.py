@@ -160,7 +160,7 @@ class ZeroStage1(DataParallel):
                                       dtype=torch.float64)
         _collective("the global gradient norm", dist.all_reduce, sum_of_squares)
         # The norm of a one-element array holding the global norm is the global norm itself.
-        return clip_divisor(grads[self._shards.start:self._shards.stop], max_norm, loss_scale)
+        return clip_divisor(np.array([math.sqrt(sum_of_squares.item())]), max_norm, loss_scale)
 
     def make_optimizer(self, config_name, flat, xp):
         self._broadcast_weights(flat)
