@@ -62,6 +62,9 @@ class Placement:
         options = builder_session_options()
         options.intra_op_num_threads = self.threads
         options.use_deterministic_compute = self.deterministic
+        # Idle ORT workers block instead of spinning: each step runs torch's clip + optimizer on
+        # the same cores right after the graph, and spinning workers starve them (benchmarks/).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return options
 
     def bind(self, binding, name, is_output, dtype, shape, pointer):

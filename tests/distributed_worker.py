@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,7 +75,7 @@ def scenario_train(rank, directory):
     for zero_stage in (0, 1):
         for config in CONFIGS:
             trainer = make_trainer(config, zero_stage)
-            losses = train(trainer, MICRO_STEPS, lambda step: rank_batch(step, rank))
+            losses = train(trainer, MICRO_STEPS, partial(rank_batch, rank=rank))
             results[zero_stage, config] = {"losses": losses, "weights": weights(trainer)}
     return results
 
@@ -82,7 +83,7 @@ def scenario_train(rank, directory):
 def scenario_checkpoint(rank, directory):
     """ZeRO: 3 updates, save, 3 more; a fresh ZeRO trainer loads the file and does the same 3.
     Then a data-parallel save that fails on rank 0 (missing directory) must fail on every rank."""
-    batch_of = lambda step: rank_batch(step, rank)  # noqa: E731
+    batch_of = partial(rank_batch, rank=rank)
     trainer = make_trainer("lamb", zero_stage=1)
     train(trainer, 3, batch_of)
     trainer.save_checkpoint(directory / "zero.pt", user_dict={"note": "zero"})
@@ -105,20 +106,21 @@ def scenario_checkpoint(rank, directory):
 def scenario_rank_fails(rank, directory):
     """Rank 1 raises after its first step and exits; rank 0 goes on training."""
     trainer = make_trainer("adam")
-    train(trainer, 1, lambda step: rank_batch(step, rank))
+    train(trainer, 1, partial(rank_batch, rank=rank))
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
-    train(trainer, 1, lambda step: rank_batch(step, rank))
+    train(trainer, 1, partial(rank_batch, rank=rank))
 
 
 def scenario_rank_stalls(rank, directory):
-    """Rank 1 catches its own error and stays alive without training: rank 0 must time out."""
+    """Rank 1 stays alive without training, longer than the process group's timeout: rank 0 must
+    time out (under ZeRO: in the reduce-scatter)."""
     trainer = make_trainer("adam", zero_stage=1)
-    train(trainer, 1, lambda step: rank_batch(step, rank))
+    train(trainer, 1, partial(rank_batch, rank=rank))
     if rank == 1:
-        time.sleep(20)
+        time.sleep(float(os.environ["GROUP_TIMEOUT"]) + 2)
         return
-    train(trainer, 1, lambda step: rank_batch(step, rank))
+    train(trainer, 1, partial(rank_batch, rank=rank))
 
 
 # ---------------------------------------------------------------- launcher

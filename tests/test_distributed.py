@@ -107,7 +107,7 @@ def test_zero_checkpoint_reloads_on_the_same_world_size(checkpointed):
 def test_zero_rank_files_hold_the_shards_of_the_full_state(checkpointed):
     directory, _ = checkpointed
     full = torch.load(directory / "zero.pt", weights_only=True)
-    names = [name for name, _ in models.mlp().named_parameters()]  # one param group: the flat order
+    names = [name for name, _ in models.mlp().named_parameters()]  # the flat order too (net.3.* group last)
     shards = [torch.load(directory / f"zero.pt.rank{rank}-of-2", weights_only=True) for rank in range(2)]
     assert [(shard["rank"], shard["world_size"]) for shard in shards] == [(0, 2), (1, 2)]
     assert shards[0]["start"] == 0 and shards[0]["stop"] == shards[1]["start"]
@@ -143,7 +143,7 @@ def test_a_rank_that_raises_stops_the_others_with_a_clear_error(tmp_path):
 
 
 def test_a_rank_that_stalls_times_the_others_out(tmp_path):
-    results = worker.launch("rank_stalls", tmp_path, timeout=60, group_timeout=3)
+    results = worker.launch("rank_stalls", tmp_path, group_timeout=5)
     returncode, stderr, seconds = results[0]
     assert returncode not in (0, None)
     assert ("RuntimeError: ORTTrainer: reduce-scattering the gradients failed on rank 0 of 2: another rank "
@@ -165,9 +165,9 @@ def _options(**distributed):
 
 
 def test_world_size_without_a_process_group():
-    message = ("ORTTrainer: options.distributed.world_size=2 asks for distributed training, but no torch.distributed "
-               "process group is initialized: call torch.distributed.init_process_group() before creating the "
-               "ORTTrainer (backend 'gloo' on CPU, 'nccl' on GPU), or launch with torchrun")
+    message = ("ORTTrainer: distributed training is asked for (options.distributed.world_size=2), but no "
+               "torch.distributed process group is initialized: call torch.distributed.init_process_group() before "
+               "creating the ORTTrainer (backend 'gloo' on CPU, 'nccl' on GPU), or launch with torchrun")
     with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         ORTTrainer(models.mlp(), models.MLP_DESC, worker.CONFIGS["adam"][0](), loss_fn=models.mlp_loss,
                    options=_options(world_size=2))
@@ -175,8 +175,8 @@ def test_world_size_without_a_process_group():
 
 def test_torchrun_environment_without_a_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    message = ("ORTTrainer: options.distributed.world_rank=1 and WORLD_SIZE=2 in the environment (torchrun) asks "
-               "for distributed training, but no torch.distributed process group is initialized")
+    message = ("ORTTrainer: distributed training is asked for (options.distributed.world_rank=1, WORLD_SIZE=2 in "
+               "the environment (torchrun)), but no torch.distributed process group is initialized")
     with pytest.raises(RuntimeError, match=f"^{re.escape(message)}"):
         setup(_options(world_rank=1))
 
@@ -197,7 +197,8 @@ def test_a_one_rank_group_trains_as_one_process(one_rank_group):
 
 
 def test_zero_on_a_gpu_is_refused():
-    options = ORTTrainerOptions({"device": {"id": "cuda:0"}, "distributed": {"deepspeed_zero_optimization": {"stage": 1}}})
+    options = ORTTrainerOptions({"device": {"id": "cuda:0"},
+                                 "distributed": {"deepspeed_zero_optimization": {"stage": 1}}})
     message = "distributed.deepspeed_zero_optimization.stage=1 runs on the CPU only for now, got device.id='cuda:0'"
     with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         setup(options)
@@ -227,3 +228,17 @@ def test_shard_layout_cuts_tensors_and_keeps_group_hyperparameters():
     local, segments = shard_layout(layout, 20, 25)
     assert local.seg_offsets.tolist() == [0, 5] and segments.tolist() == [3]
     assert [dict(g.hyper) for g in local.groups] == [{"lr_scale": 2}]
+
+
+# ---------------------------------------------------------------- the example under torchrun
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engine", "pytorch"], "error: under torchrun use --engine ort (ORTTrainer trains data parallel)"),
+    (["--engine", "ort", "--batch-size", "5"], "error: --batch-size 5 must be a multiple of the 2 ranks"),
+])
+def test_example_under_torchrun_refuses(monkeypatch, argv, message):
+    from examples.wikitext2.train import join_process_group, parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
+        join_process_group(parse_args(["--data", "unused.txt"] + argv))

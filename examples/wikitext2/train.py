@@ -1,6 +1,10 @@
 """Train the notebook's Transformer language model on WikiText-2 with PyTorch or with ORTTrainer.
 
     python -m examples.wikitext2 --engine ort        # or: python examples/wikitext2/train.py ...
+    python -m torch.distributed.run --nproc_per_node=2 -m examples.wikitext2 --engine ort [--zero-stage 1]
+
+Under torchrun every rank trains on its slice of each batch's columns (data parallel ORTTrainer,
+or ZeRO stage 1 with ``--zero-stage 1``); rank 0 alone prints and writes the metrics.
 
 Both engines share the data, the model initialisation (``--seed``), the epoch loop, evaluation,
 best-model selection, checkpointing and reporting; they differ only in one train/eval step.
@@ -10,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 if not __package__:   # run as a script: make the repository root importable
@@ -81,7 +87,8 @@ class ORTEngine:
         ntokens = model.decoder.out_features
         model_desc = {'inputs': [('src', ['bptt', 'batch_size']), ('label', ['bptt_x_batch_size'])],
                       'outputs': [('loss', [], True), ('output', ['bptt', 'batch_size', ntokens])]}
-        options = ORTTrainerOptions({'device': {'id': args.device}, 'utils': {'grad_norm_clip': True}})
+        options = ORTTrainerOptions({'device': {'id': args.device}, 'utils': {'grad_norm_clip': True},
+                                     'distributed': {'deepspeed_zero_optimization': {'stage': args.zero_stage}}})
         self.trainer = ORTTrainer(model, model_desc, optim.AdamConfig(lr=args.lr, max_norm_clip=args.clip),
                                   loss_fn=loss_fn, options=options)
 
@@ -143,14 +150,15 @@ class Checkpoints:
     """``epochNNNN.<engine>`` (the engine's own checkpoint) + ``epochNNNN.meta.pt`` (loop state),
     the meta file written last, so the newest meta file marks the newest complete checkpoint."""
 
-    def __init__(self, directory, engine):
-        self.directory, self.engine = Path(directory), engine
+    def __init__(self, directory, engine, rank=0):
+        self.directory, self.engine, self.rank = Path(directory), engine, rank
         self.directory.mkdir(parents=True, exist_ok=True)
 
     def save(self, epoch, state):
-        self.engine.save_checkpoint(self.directory / f"epoch{epoch:04d}.{self.engine.name}")
-        torch.save({**state, "engine": self.engine.name, "rng": torch.get_rng_state()},
-                   self.directory / f"epoch{epoch:04d}.meta.pt")
+        self.engine.save_checkpoint(self.directory / f"epoch{epoch:04d}.{self.engine.name}")  # every rank
+        if self.rank == 0:
+            torch.save({**state, "engine": self.engine.name, "rng": torch.get_rng_state()},
+                       self.directory / f"epoch{epoch:04d}.meta.pt")
 
     def resume(self):
         metas = sorted(self.directory.glob("epoch*.meta.pt"))
@@ -188,6 +196,8 @@ def parse_args(argv=None):
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--json", type=Path, help="write the final metrics to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no per-batch log lines")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0,
+                   help="ORTTrainer's deepspeed_zero_optimization.stage under torchrun")
     args = p.parse_args(argv)
     if args.max_batches is not None and args.max_batches < 1:
         p.error("--max-batches must be at least 1")
@@ -201,14 +211,34 @@ def parse_args(argv=None):
     return args
 
 
+def join_process_group(args):
+    """Under torchrun (WORLD_SIZE > 1) joins the process group; returns (rank, world size)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    if args.engine != "ort":
+        raise SystemExit("error: under torchrun use --engine ort (ORTTrainer trains data parallel)")
+    if args.batch_size % world_size:
+        raise SystemExit(f"error: --batch-size {args.batch_size} must be a multiple of the {world_size} ranks")
+    if args.device == "cuda":
+        args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+    torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl", timeout=timedelta(minutes=5))
+    return torch.distributed.get_rank(), world_size
+
+
 def main(argv=None):
     args = parse_args(argv)
+    rank, world_size = join_process_group(args)
+    if rank > 0:   # rank 0 alone prints and writes the metrics
+        args.quiet, args.json = True, None
+        sys.stdout = open(os.devnull, "w")
     try:
         corpus = load_corpus(download_wikitext2(args.cache_dir) if args.download else args.data)
     except DataError as exc:
         raise SystemExit(f"error: {exc}") from exc
     device = torch.device(args.device)
-    train_data = batchify(corpus.train, args.batch_size).to(device)
+    columns = args.batch_size // world_size   # this rank's slice of every batch
+    train_data = batchify(corpus.train, args.batch_size)[:, rank * columns:(rank + 1) * columns].contiguous().to(device)
     val_data = batchify(corpus.valid, args.eval_batch_size).to(device)
     test_data = batchify(corpus.test, args.eval_batch_size).to(device)
     if min(len(train_data), len(val_data), len(test_data)) < 2:
@@ -223,7 +253,7 @@ def main(argv=None):
     engine = ENGINES[args.engine](model, make_loss_fn(ntokens), args)
 
     state = {"epoch": 0, "best_val_loss": math.inf, "best_state": None, "history": []}
-    checkpoints = Checkpoints(args.checkpoint_dir, engine) if args.checkpoint_dir else None
+    checkpoints = Checkpoints(args.checkpoint_dir, engine, rank) if args.checkpoint_dir else None
     if checkpoints and (resumed := checkpoints.resume()):
         state = resumed
         print(f"| resumed from {args.checkpoint_dir} after epoch {state['epoch']} |")
