@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="steps per engine per round")
     p.add_argument("--no-eval", action="store_true", help="skip the eval-step comparison")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fetch", choices=("all", "loss"), default="all",
+                   help="ORTTrainer outputs: loss and logits (as the notebook's loop), or the loss only "
+                        "(train_step_info.fetches); torch computes its logits either way")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--measure-memory", action="store_true",
                    help="also measure peak RSS per engine, one subprocess each")
@@ -144,14 +147,19 @@ class ORTEngine:
         self.trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=args.lr, max_norm_clip=args.clip),
                                   loss_fn=make_loss_fn(ntokens),
                                   options=ORTTrainerOptions({"utils": {"grad_norm_clip": True}}))
+        if args.fetch == "loss":
+            self.trainer.train_step_info.fetches = ["loss"]
 
     def train_step(self, data, targets):
-        loss, _output = self.trainer.train_step(data, targets)
-        return loss.item()
+        return _loss(self.trainer.train_step(data, targets)).item()
 
     def eval_step(self, data, targets):
-        loss, _output = self.trainer.eval_step(data, targets)
-        return loss.item()
+        return _loss(self.trainer.eval_step(data, targets)).item()
+
+
+def _loss(outputs):
+    """The loss from train_step/eval_step's return: bare with fetches ['loss'], else first."""
+    return outputs if isinstance(outputs, torch.Tensor) else outputs[0]
 
 
 def make_engine(name, ntokens, args):
@@ -334,7 +342,8 @@ def main(argv=None):
     result = {"environment": environment(args),
               "config": {"ntokens": ntokens, "bptt": args.bptt, "batch": args.batch, "threads": args.threads,
                          "dropout": args.dropout, "rounds": args.rounds, "steps": args.steps,
-                         "warmup": args.warmup, "data": str(args.data) if args.data else "synthetic"},
+                         "warmup": args.warmup, "fetch": args.fetch,
+                         "data": str(args.data) if args.data else "synthetic"},
               "first_step_loss": first}
     result["train"] = summarize(time_phase(engines, "train_step", batches, args))
     if not args.no_eval:

@@ -39,9 +39,17 @@ def _move_parameters_to_inputs(model, parameter_names):
 
 
 def _disable_training_mode(model):
-    """Dropout off (no training_mode input), BatchNormalization in inference mode."""
+    """Dropout off, BatchNormalization in inference mode.
+
+    Dropout becomes Identity, which ORT then removes (its training build keeps inference-mode
+    Dropout nodes, each a copy), unless something reads its mask; then it loses its
+    training_mode input."""
+    read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
     for node in model.graph.node:
-        if node.op_type == "Dropout" and len(node.input) > 2:
+        if node.op_type == "Dropout" and not read.intersection(node.output[1:]):
+            node.op_type = "Identity"
+            del node.input[1:], node.output[1:], node.attribute[:]
+        elif node.op_type == "Dropout" and len(node.input) > 2:
             node.input[2] = ""
         if node.op_type == "BatchNormalization":
             for attribute in node.attribute:
@@ -167,9 +175,11 @@ def fast_softmax_cross_entropy(model):
 def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
-    The training graph computes the user outputs and one `<param>_grad` output per trainable
-    parameter (of the loss times the LOSS_SCALE_INPUT feed when loss_scaling); the eval graph
-    computes the user outputs with dropout off.
+    The training graph computes `output_names` (the outputs the caller fetches; the loss is
+    differentiated either way) and one `<param>_grad` output per trainable parameter (of the
+    loss times the LOSS_SCALE_INPUT feed when loss_scaling); the eval graph computes
+    `output_names` with dropout off. Outputs not fetched are not graph outputs, so ONNX Runtime
+    neither materializes nor keeps them.
     """
     model = copy.deepcopy(model)
     add_second_outputs(model)
@@ -186,8 +196,13 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     training = onnx.load_from_string(builder.get_model())
     fast_softmax_cross_entropy(training)
     fast_softmax_cross_entropy(eval_model)
-    outputs = {o.name: o for o in training.graph.output}
-    ordered = [outputs[name] for name in output_names] + [outputs[f"{name}_grad"] for name in trainable]
-    del training.graph.output[:]
-    training.graph.output.extend(ordered)
+    _set_outputs(training, list(output_names) + [f"{name}_grad" for name in trainable])
+    _set_outputs(eval_model, output_names)
     return training.SerializeToString(), eval_model.SerializeToString()
+
+
+def _set_outputs(model, names):
+    outputs = {o.name: o for o in model.graph.output}
+    ordered = [outputs[name] for name in names]
+    del model.graph.output[:]
+    model.graph.output.extend(ordered)

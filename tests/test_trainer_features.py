@@ -93,3 +93,36 @@ def test_frozen_weights_get_no_gradient_and_stay_put():
     assert gradient_outputs == {f"model.{n}_grad" for n in ("net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias")}
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, before[name]) == name.startswith("net.0."), name
+
+
+def test_fetches_limit_the_outputs_and_training_is_unchanged():
+    full = ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=models.mlp_loss)
+    lean = ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=models.mlp_loss)
+    lean.train_step_info.fetches = ["loss"]
+    for step in range(4):
+        batch = models.mlp_batch(step)
+        loss = lean.train_step(*batch)
+        assert isinstance(loss, torch.Tensor) and loss.dim() == 0
+        assert torch.equal(loss, full.train_step(*batch)[0])
+    assert lean.train_step_info.optimization_step == 4  # the original froze it under fetches
+    graph = next(iter(lean._graphs._graphs.values()))
+    session = graph._session(True)[0]
+    assert [o.name for o in session.get_outputs() if not o.name.endswith("_grad")] == ["loss"]
+    for p, q in zip(lean.model.parameters(), full.model.parameters()):
+        assert torch.equal(p, q)
+    lean.train_step_info.fetches = ["logits", "loss"]
+    logits, loss = lean.eval_step(*models.mlp_batch(9))
+    assert logits.shape == (8, 5) and loss.dim() == 0
+
+
+def test_unknown_fetch_is_refused_and_changes_nothing():
+    trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=models.mlp_loss)
+    trainer.train_step(*models.mlp_batch(0))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train_step_info.fetches = ["loss", "probs"]
+    with pytest.raises(ValueError, match=re.escape(
+            "train_step(): train_step_info.fetches names unknown outputs ['probs']; model_desc outputs are "
+            "['loss', 'logits']")):
+        trainer.train_step(*models.mlp_batch(1))
+    assert trainer.train_step_info.step == 1
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
