@@ -1,5 +1,6 @@
 """ONNX Runtime sessions bound to the flat buffers, one compiled graph per input signature."""
 import contextlib
+import functools
 from collections import OrderedDict
 
 import numpy as np
@@ -65,11 +66,24 @@ class Placement:
         # Idle ORT workers block instead of spinning: each step runs torch's clip + optimizer on
         # the same cores right after the graph, and spinning workers starve them (benchmarks/).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if self.ort_device == "cpu":
+            _register_shared_cpu_arena()
+            options.add_session_config_entry("session.use_env_allocators", "1")
         return options
 
     def bind(self, binding, name, is_output, dtype, shape, pointer):
         bind = binding.bind_output if is_output else binding.bind_input
         bind(name, self.ort_device, self.index, dtype, list(shape), pointer)
+
+
+@functools.cache
+def _register_shared_cpu_arena():
+    """One CPU arena for all our sessions (train and eval, every shape) instead of one each:
+    each arena keeps its own peak for the life of its session (BENCHMARKS.md). Sessions opt in
+    with session.use_env_allocators, so other ONNX Runtime users in the process are unaffected."""
+    memory = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                       onnxruntime.OrtMemType.DEFAULT)
+    onnxruntime.create_and_register_allocator(memory, None)
 
 
 class CompiledGraph:
