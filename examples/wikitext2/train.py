@@ -91,18 +91,18 @@ class ORTEngine:
                                      'distributed': {'deepspeed_zero_optimization': {'stage': args.zero_stage}}})
         self.trainer = ORTTrainer(model, model_desc, optim.AdamConfig(lr=args.lr, max_norm_clip=args.clip),
                                   loss_fn=loss_fn, options=options)
+        # The loop only uses the loss: not fetching the logits saves their memory and copy.
+        self.trainer.train_step_info.fetches = ["loss"]
 
     @property
     def model(self):
         return self.trainer.model
 
     def train_step(self, data, targets):
-        loss, output = self.trainer.train_step(data, targets)
-        return loss
+        return self.trainer.train_step(data, targets)
 
     def eval_step(self, data, targets):
-        loss, output = self.trainer.eval_step(data, targets)
-        return loss
+        return self.trainer.eval_step(data, targets)
 
     def save_checkpoint(self, path):
         self.trainer.save_checkpoint(path)
