@@ -44,9 +44,9 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from examples.wikitext2.model import TransformerModel  # noqa: E402
+from examples.wikitext2.train import make_loss_fn  # noqa: E402
 
 ENGINES = ("torch", "ort")
 
@@ -99,14 +99,6 @@ def make_batches(args, count=8):
         data = torch.randint(0, args.vocab, (args.bptt + 1, args.batch), generator=generator)
         batches.append((data[:-1].contiguous(), data[1:].reshape(-1).contiguous()))
     return args.vocab, batches
-
-
-def make_loss_fn(ntokens):
-    criterion = nn.CrossEntropyLoss()
-
-    def calculate_loss(output, targets):
-        return criterion(output.view(-1, ntokens), targets)
-    return calculate_loss
 
 
 # ---------------------------------------------------------------------------------------- engines

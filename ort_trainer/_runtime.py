@@ -1,4 +1,5 @@
 """Checks that ONNX Runtime's *training* build is importable, and says what to install if not."""
+import importlib
 from importlib import metadata
 
 _DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnxruntime-training-cpu")
@@ -17,14 +18,12 @@ def _installed():
 
 def require_training_build():
     try:
-        import onnxruntime  # noqa: F401
+        importlib.import_module("onnxruntime")
     except ImportError as error:
         raise ImportError(f"ort-trainer needs ONNX Runtime's training build, and onnxruntime is not "
                           f"importable ({error}): {_INSTALL}") from error
-    try:
-        from onnxruntime.capi._pybind_state import GradientGraphBuilder  # noqa: F401
-    except ImportError as error:
+    if not hasattr(importlib.import_module("onnxruntime.capi._pybind_state"), "GradientGraphBuilder"):
         installed = ", ".join(_installed()) or "an onnxruntime build"
         raise ImportError(f"ort-trainer needs ONNX Runtime's training build, but {installed} is installed, "
                           f"an inference-only build without the gradient builder. Uninstall it, then "
-                          f"{_INSTALL}") from error
+                          f"{_INSTALL}")
