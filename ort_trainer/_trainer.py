@@ -169,6 +169,8 @@ class ORTTrainer:
 
         `state_dict()['model']` loads into the plain torch model. Optimizer state is stored per
         parameter (`optimizer.state[<name>][<param>]`), so it does not depend on the flat layout.
+        `trainer_options` records the options (plain values) for reference; loading does not
+        apply them.
         Under ZeRO stage 1 the full state is gathered from every rank: every rank must call it.
         """
         info = self._train_step_info
@@ -179,6 +181,7 @@ class ORTTrainer:
             "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
             "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
             "loss_scaler": None if self._loss_scaler is None else self._loss_scaler.state_dict(),
+            "trainer_options": _plain(self.options._validated_opts),
         }
 
     def load_state_dict(self, state_dict, strict=True):
@@ -252,7 +255,7 @@ class ORTTrainer:
     def _check_state_dict(self, state_dict, strict):
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        sections = {"model", "optimizer", "train_step_info", "lr_scheduler", "loss_scaler"}
+        sections = {"model", "optimizer", "train_step_info", "lr_scheduler", "loss_scaler", "trainer_options"}
         _checkpoint.compare_keys("load_state_dict: sections", dict.fromkeys(sections), state_dict)
         model = self.model.state_dict()
         saved = state_dict["model"]
@@ -448,6 +451,18 @@ class ORTTrainer:
                 difference = (ours - theirs).abs().max().item()
                 raise RuntimeError(f"debug.check_model_export: output {name!r} of the exported graph differs "
                                    f"from the torch model by up to {difference:.3g} (rtol 1e-3, atol 1e-5)")
+
+
+def _plain(value):
+    """The options as plain values for a checkpoint (a record of the run; not applied on load):
+    objects (scheduler, scaler, callables) become their type names; their state is saved apart."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
 
 
 def _release_freed_heap():

@@ -39,6 +39,8 @@ def test_resume_is_bitwise_equal_to_a_straight_run(tmp_path, config):
     assert all(torch.equal(p, final[name]) for name, p in weights(resumed).items())
     assert resumed.train_step_info.step == 20 and resumed.train_step_info.optimization_step == 20
     assert resumed._lr_scheduler.get_last_lr() == straight._lr_scheduler.get_last_lr()
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["trainer_options"]
+    assert saved["lr_scheduler"] == "LinearWarmupLRScheduler" and saved["utils"]["grad_norm_clip"] is True
 
 
 def test_load_into_a_trainer_that_already_trained(tmp_path):
