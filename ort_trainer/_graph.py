@@ -179,11 +179,11 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     differentiated either way) and one `<param>_grad` output per trainable parameter (of the
     loss times the LOSS_SCALE_INPUT feed when loss_scaling); the eval graph computes
     `output_names` with dropout off. Outputs not fetched are not graph outputs, so ONNX Runtime
-    neither materializes nor keeps them.
+    neither materializes nor keeps them. `model` (the exported forward) is consumed: modified in
+    place.
     """
-    model = copy.deepcopy(model)
+    _move_parameters_to_inputs(model, set(trainable) | set(frozen))  # first: no copy below holds weights
     add_second_outputs(model)
-    _move_parameters_to_inputs(model, set(trainable) | set(frozen))
     eval_model = copy.deepcopy(model)
     _disable_training_mode(eval_model)
     if loss_scaling:
