@@ -3,8 +3,12 @@
 The multi-process runs are module-scoped fixtures (one launch per scenario, see
 tests/distributed_worker.py); the option checks run in this process, with a 1-rank process group.
 """
+import json
 import re
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,3 +246,20 @@ def test_example_under_torchrun_refuses(monkeypatch, argv, message):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
         join_process_group(parse_args(["--data", "unused.txt"] + argv))
+
+
+def test_example_runs_under_torchrun_with_two_processes(tmp_path):
+    from examples.wikitext2.train import DEFAULT_DATA
+
+    if not DEFAULT_DATA.is_file():
+        pytest.skip("shared WikiText-2 text not available")
+    with open(DEFAULT_DATA, encoding="utf-8") as source:
+        (tmp_path / "slice.txt").write_text("".join(next(source) for _ in range(400)), encoding="utf-8")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "examples.wikitext2", "--engine", "ort", "--data", str(tmp_path / "slice.txt"),
+               "--epochs", "1", "--max-batches", "2", "--quiet", "--json", str(tmp_path / "m.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("| End of training |") == 1  # rank 0 alone reports
+    assert json.loads((tmp_path / "m.json").read_text())["train_batches"] == 2
