@@ -385,6 +385,7 @@ class ORTTrainer:
         exported = _export.export_training_model(
             self.model, self.loss_fn, self._num_model_inputs, self.model_desc.input_names,
             self.model_desc.output_names, inputs, self.options._internal_use.onnx_opset_version)
+        self._check_output_shapes(exported, inputs)
         if self._flat is None:
             self._create_buffers({i.name for i in exported.graph.initializer})
         training, evaluation = build_graphs(
@@ -401,6 +402,23 @@ class ORTTrainer:
             self._input_dtypes = [dtype for _, dtype in signature]
             self._sample_inputs = inputs
         return graph
+
+    def _check_output_shapes(self, exported, inputs):
+        """The exported (static) output shapes must fit model_desc's, named dims resolved from the inputs."""
+        named = {}
+        for spec, tensor in zip(self.model_desc.inputs, inputs):
+            named.update((dim, size) for dim, size in zip(spec.shape, tensor.shape) if isinstance(dim, str))
+        produced = {o.name: [d.dim_value if d.HasField("dim_value") else None
+                             for d in o.type.tensor_type.shape.dim] for o in exported.graph.output}
+        for spec in self.model_desc.outputs:
+            shape = produced[spec.name]
+            declared = f"model_desc output {spec.name!r} is declared {list(spec.shape)}"
+            if len(shape) != len(spec.shape):
+                raise ValueError(f"{declared}, but the model produces shape {shape}")
+            expected = [named.setdefault(dim, size) if isinstance(dim, str) else dim
+                        for dim, size in zip(spec.shape, shape)]
+            if any(None not in (a, b) and a != b for a, b in zip(shape, expected)):
+                raise ValueError(f"{declared} (here {expected}), but the model produces shape {shape}")
 
     def _refuse_mutated_buffers(self, inputs):
         mutated = _export.mutated_buffers(self.model, self._num_model_inputs, inputs)

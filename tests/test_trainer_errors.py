@@ -219,3 +219,21 @@ def test_opset_version_option_is_used(monkeypatch):
     trainer = mlp_trainer(_internal_use={"onnx_opset_version": 15})
     trainer.train_step(*models.mlp_batch(0))
     assert [o.version for o in exported[0].opset_import if o.domain in ("", "ai.onnx")] == [15]
+
+
+@pytest.mark.parametrize("logits_shape, message", [
+    (["batch", 7], "model_desc output 'logits' is declared ['batch', 7] (here [8, 7]), but the model produces "
+                   "shape [8, 5]"),
+    (["rows", 5, 1], "model_desc output 'logits' is declared ['rows', 5, 1], but the model produces shape [8, 5]"),
+    (["batch", "classes"], None),
+])
+def test_declared_output_shape_must_match_the_model(logits_shape, message):
+    desc = {"inputs": models.MLP_DESC["inputs"], "outputs": [("loss", [], True), ("logits", logits_shape)]}
+    trainer = ORTTrainer(models.mlp(), desc, optim.AdamConfig(), loss_fn=models.mlp_loss)
+    if message is None:  # a name only outputs use binds freely
+        assert trainer.train_step(*models.mlp_batch(0))[1].shape == (8, 5)
+        return
+    before = snapshot(trainer)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        trainer.train_step(*models.mlp_batch(0))
+    assert_unchanged(trainer, before, steps=0)
