@@ -85,6 +85,11 @@ class ORTTrainer:
             raise ValueError(f"Invalid options: utils.frozen_weights names unknown parameters {unknown}; "
                              f"the model's parameters are {_first(named)}")
         self._frozen_names = set(frozen) | {name for name, p in named.items() if not p.requires_grad}
+        not_float32 = {name: p.dtype for name, p in named.items()
+                       if name not in self._frozen_names and p.dtype != torch.float32}
+        if not_float32:
+            raise TypeError(f"ORTTrainer trains float32 parameters (one flat fp32 buffer); got {not_float32}: "
+                            "call model.float(), or freeze them (utils.frozen_weights)")
         # Validates param groups now (unknown names fail here, before any work).
         optim_config.resolve_groups([name for name in named if name not in self._frozen_names])
 

@@ -237,3 +237,12 @@ def test_declared_output_shape_must_match_the_model(logits_shape, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         trainer.train_step(*models.mlp_batch(0))
     assert_unchanged(trainer, before, steps=0)
+
+
+def test_non_float32_parameters_are_refused_by_name():
+    model = models.mlp()
+    model.net[3].double()
+    with pytest.raises(TypeError, match=re.escape(
+            "ORTTrainer trains float32 parameters (one flat fp32 buffer); got {'net.3.weight': torch.float64, "
+            "'net.3.bias': torch.float64}: call model.float(), or freeze them (utils.frozen_weights)")):
+        ORTTrainer(model, models.MLP_DESC, optim.AdamConfig(), loss_fn=models.mlp_loss)
