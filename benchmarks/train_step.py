@@ -20,8 +20,9 @@ faster).
 Peak memory (``--measure-memory``): one subprocess per engine (``--memory-only``) creates the
 model, takes its resident anonymous memory (``RssAnon``) as the baseline, then samples it in a
 background thread (every 0.5 ms) through 2 train steps (ORT: export and session creation
-included), ``--memory-steps`` - 2 more train steps and ``--memory-steps`` eval steps, and reports
-each phase's peak over the baseline. ``ru_maxrss`` growth is reported too, but on this VM mapped
+included), ``--memory-steps`` - 2 more train steps, one eval step (which starts on what training
+holds) and ``--memory-steps`` - 1 more eval steps, and reports the whole run's and each phase's
+peak over the baseline. ``ru_maxrss`` growth is reported too, but on this VM mapped
 library pages are reclaimed and faulted back at will, which makes it unreliable (often 0).
 """
 from __future__ import annotations
@@ -251,7 +252,9 @@ def memory_only(args):
     for k in range(warm, args.memory_steps):
         engine.train_step(*batches[k % len(batches)])
     train_peak = sampler.take()
-    for k in range(args.memory_steps):
+    engine.eval_step(*batches[0])
+    first_eval_peak = sampler.take()
+    for k in range(1, args.memory_steps):
         engine.eval_step(*batches[k % len(batches)])
     eval_peak = sampler.take()
     sampler.stop()
@@ -259,7 +262,9 @@ def memory_only(args):
         "engine": args.engine, "steps": args.memory_steps, "baseline_anon_mib": baseline_anon,
         "anon_peak_delta_first_steps_mib": setup_peak - baseline_anon,   # export + sessions included
         "anon_peak_delta_train_mib": train_peak - baseline_anon,         # steady-state train steps
-        "anon_peak_delta_eval_mib": eval_peak - baseline_anon,
+        "anon_peak_delta_first_eval_mib": first_eval_peak - baseline_anon,  # on what training holds
+        "anon_peak_delta_eval_mib": eval_peak - baseline_anon,           # steady-state eval steps
+        "anon_peak_delta_process_mib": max(setup_peak, train_peak, first_eval_peak, eval_peak) - baseline_anon,
         "anon_after_mib": _rss_anon_mib() - baseline_anon,               # held between steps
         "ru_maxrss_delta_mib": _rss_peak_mib() - baseline_rss,
     }
@@ -311,9 +316,11 @@ def print_table(result):
     if "memory" in result:
         mem = result["memory"]
         print(f"{'':28s} {'torch MiB':>10s} {'ort MiB':>10s}")
-        for key, label in [("anon_peak_delta_first_steps_mib", "peak anon, first 2 steps"),
+        for key, label in [("anon_peak_delta_process_mib", "peak anon, whole run"),
+                           ("anon_peak_delta_first_steps_mib", "peak anon, first 2 steps"),
                            ("anon_peak_delta_train_mib", "peak anon, train steps"),
-                           ("anon_peak_delta_eval_mib", "peak anon, eval steps"),
+                           ("anon_peak_delta_first_eval_mib", "peak anon, first eval step"),
+                           ("anon_peak_delta_eval_mib", "peak anon, later eval steps"),
                            ("anon_after_mib", "anon held after"),
                            ("ru_maxrss_delta_mib", "ru_maxrss delta")]:
             values = [mem[name].get(key) for name in ENGINES]

@@ -108,6 +108,9 @@ def fast_softmax_cross_entropy(model):
     scaled per row, becomes Exp + ScatterElements (in place) + Mul. Same math, same outputs
     (loss, log_prob, gradient), torch's semantics: rows whose label is ignore_index count for
     nothing; if every row is ignored the loss is NaN (torch) and the gradient is zero.
+    The gradient takes prob[label] as exp of the forward's picked log_prob: that orders the
+    forward's GatherElements before the backward, so log_prob dies at the backward's Exp (ORT
+    otherwise ran it last, keeping one more logits-sized buffer alive through the backward).
 
     Rewritten only where exact: reduction 'mean', no class weights, float32 (the loss's type is
     known from the graph's outputs/value_info), opset >= 13; other nodes are left as they are.
@@ -118,7 +121,7 @@ def fast_softmax_cross_entropy(model):
         return 0
     graph, make = model.graph, onnx.helper.make_node
     types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
-    fast_log_probs, nodes, replaced = {}, [], 0
+    forwards, nodes, replaced = {}, [], 0  # log_prob name -> (loss attributes, picked log_prob name)
     for node in graph.node:
         attributes = _attributes(node)
         simple = attributes.get("reduction", b"mean") == b"mean" and len(node.input) == 2
@@ -138,9 +141,9 @@ def fast_softmax_cross_entropy(model):
                           make("ReduceSum", [weight], [p + "count"], keepdims=0),
                           make("Div", [p + "total", p + "count"], [p + "mean"])]
             nodes.append(make("Neg", [p + "mean"], [node.output[0]]))
-            fast_log_probs[log_prob] = attributes
+            forwards[log_prob] = (attributes, p + "picked")
         elif (node.op_type == "SoftmaxCrossEntropyLossGrad" and len(node.input) == 3
-              and node.input[1] in fast_log_probs and _attributes(node) == fast_log_probs[node.input[1]]):
+              and node.input[1] in forwards and _attributes(node) == forwards[node.input[1]][0]):
             p = f"{node.output[0]}/fast_sce_grad/"
             loss_grad, log_prob, label = node.input
             label_nodes, index, weight = _label_nodes(p, label, attributes.get("ignore_index"))
@@ -159,7 +162,7 @@ def fast_softmax_cross_entropy(model):
                           make("Mul", [weight, p + "scale"], [p + "row_scale"])]
             nodes += [make("Unsqueeze", [p + "row_scale", p + "axis1"], [p + "row_scale1"]),
                       make("Exp", [log_prob], [p + "prob"]),
-                      make("GatherElements", [p + "prob", index], [p + "prob_at_label"], axis=1),
+                      make("Exp", [forwards[log_prob][1]], [p + "prob_at_label"]),
                       make("Sub", [p + "prob_at_label", p + "one"], [p + "grad_at_label"]),
                       make("ScatterElements", [p + "prob", index, p + "grad_at_label"], [p + "unscaled"], axis=1),
                       make("Mul", [p + "unscaled", p + "row_scale1"], [node.output[0]])]

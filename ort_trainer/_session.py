@@ -1,9 +1,11 @@
 """ONNX Runtime sessions bound to the flat buffers, one compiled graph per input signature."""
 import contextlib
+import ctypes
 import functools
 from collections import OrderedDict
 
 import numpy as np
+import onnx
 import onnxruntime
 import torch
 
@@ -71,6 +73,18 @@ class Placement:
             options.add_session_config_entry("session.use_env_allocators", "1")
         return options
 
+    def release_cached_memory(self):
+        """Returns what the shared CPU arena and the heap hold but no tensor uses to the OS.
+
+        Called after a session's first run: ORT allocates that run tensor by tensor (its memory
+        pattern is recorded then), later runs take one planned block, and the arena would
+        otherwise keep both for the life of the process (BENCHMARKS.md). Costs one regrowth
+        (page faults) on the next run."""
+        if self.ort_device == "cpu":
+            session, run_options = _arena_shrinker()
+            session.run(None, {"x": np.zeros(1, np.float32)}, run_options)
+            release_freed_heap()
+
     def bind(self, binding, name, is_output, dtype, shape, pointer):
         bind = binding.bind_output if is_output else binding.bind_input
         bind(name, self.ort_device, self.index, dtype, list(shape), pointer)
@@ -84,6 +98,32 @@ def _register_shared_cpu_arena():
     memory = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
                                        onnxruntime.OrtMemType.DEFAULT)
     onnxruntime.create_and_register_allocator(memory, None)
+
+
+@functools.cache
+def _arena_shrinker():
+    """A one-node session on the shared arena: ORT shrinks an arena only at the end of a run."""
+    _register_shared_cpu_arena()
+    options = builder_session_options()
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.use_env_allocators", "1")
+    value = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "shrink", [value],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=7)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    run_options = onnxruntime.RunOptions()
+    run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return session, run_options
+
+
+def release_freed_heap():
+    """Hands freed heap back to the OS (glibc keeps it: export and graph building leave ~50 MiB
+    on the seed model, ORT's kernels ~50 MiB more). A no-op where malloc_trim is missing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class CompiledGraph:
@@ -144,6 +184,7 @@ class CompiledGraph:
         Training writes the gradients into `grads` (the flat gradient buffer or a scratch buffer
         of the same layout); eval computes no gradient.
         """
+        first_run = training not in self._sessions
         session, binding, graph_inputs, specs = self._session(training)
         if training:
             self._bind_gradients(binding, grads)
@@ -157,6 +198,8 @@ class CompiledGraph:
             self._placement.bind(binding, name, True, _TORCH_TO_NUMPY[dtype], shape, tensor.data_ptr())
             outputs.append(tensor)
         session.run_with_iobinding(binding, self._placement.run_options)
+        if first_run:  # ORT allocated tensor by tensor; later runs take one planned block
+            self._placement.release_cached_memory()
         return outputs
 
 

@@ -1,6 +1,5 @@
 """ORTTrainer: orchestration of export, compiled graphs, flat buffers and the optimizer."""
 import copy
-import ctypes
 import math
 import warnings
 
@@ -13,7 +12,7 @@ from ._graph import LOSS_SCALE_INPUT, build_graphs
 from ._model_desc import parse_model_desc
 from ._optimizers import _OPTIMIZERS
 from ._options import ORTTrainerOptions
-from ._session import CompiledGraph, GraphCache, Placement
+from ._session import CompiledGraph, GraphCache, Placement, release_freed_heap
 from .amp import DynamicLossScaler
 from .optim._config import _OptimizerConfig
 
@@ -402,7 +401,7 @@ class ORTTrainer:
         if self.options.debug.check_model_export:
             self._check_export(graph, inputs, outputs)
         self._graphs.put((signature, outputs), graph)
-        _release_freed_heap()
+        release_freed_heap()
         if self._input_dtypes is None:
             self._input_dtypes = [dtype for _, dtype in signature]
             self._sample_inputs = inputs
@@ -486,15 +485,6 @@ def _plain(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return type(value).__name__
-
-
-def _release_freed_heap():
-    """Hands the heap that export and graph building freed back to the OS (glibc keeps it
-    otherwise: ~50 MiB of peak RSS on the seed model). A no-op where malloc_trim is missing."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _loss_scaling(options, xp):

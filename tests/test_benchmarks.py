@@ -1,0 +1,26 @@
+"""The benchmark scripts run end to end on a tiny configuration (their numbers are not checked)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_train_step_benchmark_runs_and_writes_every_measure(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
+         "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", "--fetch", "loss",
+         "--measure-memory", "--memory-steps", "3", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    for phase in ("train", "eval"):
+        assert set(result[phase]["median_ms"]) == {"torch", "ort"}
+    for engine in ("torch", "ort"):
+        memory = result["memory"][engine]
+        assert memory["anon_peak_delta_process_mib"] >= max(
+            memory[key] for key in ("anon_peak_delta_first_steps_mib", "anon_peak_delta_train_mib",
+                                    "anon_peak_delta_first_eval_mib", "anon_peak_delta_eval_mib"))
+    assert "peak anon, whole run" in done.stdout
