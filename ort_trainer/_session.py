@@ -2,6 +2,8 @@
 import contextlib
 import ctypes
 import functools
+import math
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -42,6 +44,7 @@ class Placement:
         self.threads = threads
         self.deterministic = deterministic
         self.xp, self.stream, self.run_options = np, None, None
+        self._free_outputs = {}  # CPU: nbytes -> blocks of returned outputs the caller dropped
         self.providers = ["CPUExecutionProvider"]
         if self.ort_device == "cuda":
             self._use_cuda()
@@ -73,21 +76,50 @@ class Placement:
             options.add_session_config_entry("session.use_env_allocators", "1")
         return options
 
+    def output_tensor(self, shape, dtype):
+        """A new tensor for a graph output, which the caller owns from then on.
+
+        On the CPU a large output reuses the memory of an earlier one once the caller has
+        dropped every tensor that views it (a finalizer on the NumPy array under the tensor puts
+        it back): a fresh 77 MiB tensor costs ~20k page faults, ~20 ms per step on the seed
+        model (BENCHMARKS.md). CUDA tensors come from torch's caching allocator already."""
+        numpy_dtype = _TORCH_TO_NUMPY.get(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.ort_device != "cpu" or numpy_dtype is None or nbytes < _POOLED_OUTPUT_BYTES:
+            return torch.empty(shape, dtype=dtype, device=self.torch_device)
+        free = self._free_outputs.setdefault(nbytes, [])
+        block = free.pop() if free else np.empty(nbytes, np.uint8)
+        array = block.view(numpy_dtype).reshape(shape)
+        weakref.finalize(array, _recycle, free, block)
+        return torch.from_numpy(array)
+
     def release_cached_memory(self):
         """Returns what the shared CPU arena and the heap hold but no tensor uses to the OS.
 
-        Called after a session's first run: ORT allocates that run tensor by tensor (its memory
-        pattern is recorded then), later runs take one planned block, and the arena would
-        otherwise keep both for the life of the process (BENCHMARKS.md). Costs one regrowth
-        (page faults) on the next run."""
+        Called around a session's first run. ORT allocates that run tensor by tensor (its memory
+        pattern is recorded then), later runs take one planned block: the arena would otherwise
+        keep both for the life of the process, and a new session's first run would grow it on
+        top of another session's free block (BENCHMARKS.md). Costs one regrowth (page faults)
+        per new session."""
         if self.ort_device == "cpu":
             session, run_options = _arena_shrinker()
             session.run(None, {"x": np.zeros(1, np.float32)}, run_options)
-            release_freed_heap()
+            _release_freed_heap()
 
     def bind(self, binding, name, is_output, dtype, shape, pointer):
         bind = binding.bind_output if is_output else binding.bind_input
         bind(name, self.ort_device, self.index, dtype, list(shape), pointer)
+
+
+_POOLED_OUTPUT_BYTES = 1 << 20
+# Free blocks kept per size: a loop that still holds the last step's outputs while the next step
+# runs needs two; more would only hold memory that no step asks for.
+_MAX_FREE_OUTPUTS_PER_SIZE = 2
+
+
+def _recycle(free, block):
+    if len(free) < _MAX_FREE_OUTPUTS_PER_SIZE:
+        free.append(block)
 
 
 @functools.cache
@@ -117,7 +149,7 @@ def _arena_shrinker():
     return session, run_options
 
 
-def release_freed_heap():
+def _release_freed_heap():
     """Hands freed heap back to the OS (glibc keeps it: export and graph building leave ~50 MiB
     on the seed model, ORT's kernels ~50 MiB more). A no-op where malloc_trim is missing."""
     try:
@@ -185,6 +217,8 @@ class CompiledGraph:
         of the same layout); eval computes no gradient.
         """
         first_run = training not in self._sessions
+        if first_run:  # build and run on the memory in use, not on another session's free block
+            self._placement.release_cached_memory()
         session, binding, graph_inputs, specs = self._session(training)
         if training:
             self._bind_gradients(binding, grads)
@@ -194,11 +228,11 @@ class CompiledGraph:
                                      tensor.data_ptr())
         outputs = []
         for name, (dtype, shape) in zip(self._output_names, specs):
-            tensor = torch.empty(shape, dtype=dtype, device=self._placement.torch_device)
+            tensor = self._placement.output_tensor(shape, dtype)
             self._placement.bind(binding, name, True, _TORCH_TO_NUMPY[dtype], shape, tensor.data_ptr())
             outputs.append(tensor)
         session.run_with_iobinding(binding, self._placement.run_options)
-        if first_run:  # ORT allocated tensor by tensor; later runs take one planned block
+        if first_run:  # ORT allocated this run tensor by tensor; later runs take one planned block
             self._placement.release_cached_memory()
         return outputs
 

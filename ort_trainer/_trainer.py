@@ -12,7 +12,7 @@ from ._graph import LOSS_SCALE_INPUT, build_graphs
 from ._model_desc import parse_model_desc
 from ._optimizers import _OPTIMIZERS
 from ._options import ORTTrainerOptions
-from ._session import CompiledGraph, GraphCache, Placement, release_freed_heap
+from ._session import CompiledGraph, GraphCache, Placement
 from .amp import DynamicLossScaler
 from .optim._config import _OptimizerConfig
 
@@ -401,7 +401,6 @@ class ORTTrainer:
         if self.options.debug.check_model_export:
             self._check_export(graph, inputs, outputs)
         self._graphs.put((signature, outputs), graph)
-        release_freed_heap()
         if self._input_dtypes is None:
             self._input_dtypes = [dtype for _, dtype in signature]
             self._sample_inputs = inputs

@@ -1,12 +1,14 @@
-"""Memory the trainer gives back: the CPU arena after a session's first run, the freed heap."""
+"""Memory the trainer gives back or reuses: the CPU arena after a session's first run, the freed
+heap, the memory of outputs the caller has dropped."""
 import os
 
 import numpy as np
 import onnx
 import onnxruntime
 import pytest
+import torch
 
-from ort_trainer import ORTTrainer, optim
+from ort_trainer import ORTTrainer, _session, optim
 from ort_trainer._session import Placement
 
 from . import models
@@ -41,15 +43,52 @@ def test_release_cached_memory_hands_the_arena_back():
     assert held - _anon_mib() >= 80, (held, _anon_mib())
 
 
-def test_each_session_releases_cached_memory_after_its_first_run_only(monkeypatch):
+def test_each_session_releases_cached_memory_around_its_first_run_only(monkeypatch):
     trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
     released = []
     monkeypatch.setattr(trainer._placement, "release_cached_memory", lambda: released.append(True))
     for step in range(3):
         trainer.train_step(*models.mlp_batch(step))
-    assert len(released) == 1
+    assert len(released) == 2
     for step in range(2):
         trainer.eval_step(*models.mlp_batch(step))
-    assert len(released) == 2
+    assert len(released) == 4
     trainer.train_step(*models.mlp_batch(0, batch=5))  # a new input shape: a new session
-    assert len(released) == 3
+    assert len(released) == 6
+
+
+@pytest.fixture
+def pooled_trainer(monkeypatch):
+    """An MLP trainer whose [8, 5] logits are pooled (the size threshold lowered for the test)."""
+    monkeypatch.setattr(_session, "_POOLED_OUTPUT_BYTES", 1)
+    return ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
+
+
+def test_an_output_the_caller_dropped_is_reused(pooled_trainer):
+    _, logits = pooled_trainer.train_step(*models.mlp_batch(0))
+    address = logits.data_ptr()
+    del logits
+    _, logits = pooled_trainer.train_step(*models.mlp_batch(1))
+    assert logits.data_ptr() == address
+    _, evaluated = pooled_trainer.eval_step(*models.mlp_batch(2))
+    assert evaluated.data_ptr() != address
+
+
+def test_an_output_or_a_view_the_caller_holds_is_never_overwritten(pooled_trainer):
+    _, held = pooled_trainer.train_step(*models.mlp_batch(0))
+    _, base = pooled_trainer.train_step(*models.mlp_batch(1))
+    view, kept_values = base[2:], base[2:].clone()
+    del base
+    outputs = [pooled_trainer.eval_step(*models.mlp_batch(step))[1] for step in range(4)]
+    held_values = held.clone()
+    outputs += [pooled_trainer.train_step(*models.mlp_batch(step))[1] for step in range(4)]
+    addresses = {t.data_ptr() for t in outputs}
+    assert len(addresses) == len(outputs) and held.data_ptr() not in addresses
+    assert not {view.data_ptr() - 2 * 5 * 4} & addresses
+    assert torch.equal(held, held_values) and torch.equal(view, kept_values)
+
+
+def test_the_pool_keeps_at_most_two_free_outputs_per_size(pooled_trainer):
+    outputs = [pooled_trainer.eval_step(*models.mlp_batch(step))[1] for step in range(5)]
+    del outputs
+    assert len(pooled_trainer._placement._free_outputs[8 * 5 * 4]) == 2  # the logits' blocks
