@@ -90,7 +90,7 @@ class Placement:
         free = self._free_outputs.setdefault(nbytes, [])
         block = free.pop() if free else np.empty(nbytes, np.uint8)
         array = block.view(numpy_dtype).reshape(shape)
-        weakref.finalize(array, _recycle, free, block)
+        weakref.finalize(array, _recycle, free, block).atexit = False
         return torch.from_numpy(array)
 
     def release_cached_memory(self):

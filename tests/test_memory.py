@@ -76,16 +76,19 @@ def test_an_output_the_caller_dropped_is_reused(pooled_trainer):
 
 def test_an_output_or_a_view_the_caller_holds_is_never_overwritten(pooled_trainer):
     _, held = pooled_trainer.train_step(*models.mlp_batch(0))
+    held_values = held.clone()
     _, base = pooled_trainer.train_step(*models.mlp_batch(1))
     view, kept_values = base[2:], base[2:].clone()
-    del base
+    _, exported = pooled_trainer.train_step(*models.mlp_batch(2))
+    as_numpy, exported_values = exported.numpy(), exported.numpy().copy()
+    del base, exported
     outputs = [pooled_trainer.eval_step(*models.mlp_batch(step))[1] for step in range(4)]
-    held_values = held.clone()
     outputs += [pooled_trainer.train_step(*models.mlp_batch(step))[1] for step in range(4)]
     addresses = {t.data_ptr() for t in outputs}
     assert len(addresses) == len(outputs) and held.data_ptr() not in addresses
     assert not {view.data_ptr() - 2 * 5 * 4} & addresses
     assert torch.equal(held, held_values) and torch.equal(view, kept_values)
+    assert as_numpy.ctypes.data not in addresses and (as_numpy == exported_values).all()
 
 
 def test_the_pool_keeps_at_most_two_free_outputs_per_size(pooled_trainer):
