@@ -175,6 +175,34 @@ def fast_softmax_cross_entropy(model):
     return replaced
 
 
+def fast_gather_grad(model):
+    """Replaces ORT's GatherGrad along axis 0 (an embedding's gradient) by GatherNDGrad, in place.
+
+    Why: the CPU GatherGrad took 11-12 ms per step for the seed model's 700 tokens, whatever the
+    vocabulary; GatherNDGrad scatter-adds the same rows in 1.4 ms, deterministically (GatherGrad's
+    sums over repeated tokens changed from run to run). Same math: zeros of the weight's shape,
+    then dY[k] added to row indices[k] (negative indices counted from the end). Returns the
+    number of nodes replaced.
+    """
+    if next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0) < 13:
+        return 0
+    make, nodes, replaced = onnx.helper.make_node, [], 0
+    for node in model.graph.node:
+        if node.op_type != "GatherGrad" or node.domain != "com.microsoft" or _attributes(node).get("axis", 0) != 0:
+            nodes.append(node)
+            continue
+        shape, indices, grad = node.input
+        p = f"{node.output[0]}/fast_gather_grad/"
+        nodes += [make("Cast", [indices], [p + "indices64"], to=onnx.TensorProto.INT64),
+                  _int64(p + "last_axis", [-1]),
+                  make("Unsqueeze", [p + "indices64", p + "last_axis"], [p + "nd_indices"]),
+                  make("GatherNDGrad", [shape, p + "nd_indices", grad], list(node.output), domain="com.microsoft")]
+        replaced += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return replaced
+
+
 def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
@@ -198,6 +226,7 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     builder.build()
     training = onnx.load_from_string(builder.get_model())
     fast_softmax_cross_entropy(training)
+    fast_gather_grad(training)
     fast_softmax_cross_entropy(eval_model)
     _set_outputs(training, list(output_names) + [f"{name}_grad" for name in trainable])
     _set_outputs(eval_model, output_names)

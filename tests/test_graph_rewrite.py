@@ -156,3 +156,42 @@ def test_log_prob_is_last_read_by_the_backward(tmp_path):
     readers = [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node
                if log_prob in node.input]
     assert readers == ["GatherElements", "Exp"], readers
+
+
+class Lookup(nn.Module):
+    """An embedding (Gather on axis 0) or columns of a weight (Gather on axis 1), then a sum."""
+
+    def __init__(self, columns=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(6, 9))
+        self.columns = columns
+
+    def forward(self, tokens):
+        picked = self.weight[:, tokens] if self.columns else nn.functional.embedding(tokens, self.weight)
+        return (picked * torch.arange(picked.numel()).view(picked.shape)).sum()
+
+
+def _weight_gradient(model, tokens):
+    """(training graph, its gradient of model.weight, torch's) for loss = model(tokens)."""
+    exported = _export.export_training_model(model, None, 1, ["tokens"], ["loss"], [tokens], 14)
+    name = _export.MODEL_PREFIX + "weight"
+    training, _ = build_graphs(exported, [name], [], ["loss"], "loss")
+    session = onnxruntime.InferenceSession(training, builder_session_options(), providers=["CPUExecutionProvider"])
+    ours = session.run([f"{name}_grad"], {"tokens": tokens.numpy(), name: model.weight.detach().numpy()})[0]
+    model(tokens).backward()
+    return onnx.load_from_string(training), ours, model.weight.grad.numpy()
+
+
+def test_embedding_gradient_is_gather_nd_grad_and_matches_torch():
+    tokens = torch.tensor([[0, 5, 5], [2, 0, 5]])  # repeated rows add up
+    training, ours, theirs = _weight_gradient(Lookup(), tokens)
+    assert "GatherNDGrad" in op_types(training) and "GatherGrad" not in op_types(training)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_gather_gradient_on_other_axes_is_left_alone():
+    tokens = torch.tensor([8, 1, 1, 3])
+    training, ours, theirs = _weight_gradient(Lookup(columns=True), tokens)
+    assert "GatherGrad" in op_types(training) and "GatherNDGrad" not in op_types(training)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
