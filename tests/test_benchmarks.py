@@ -12,7 +12,7 @@ def test_train_step_benchmark_runs_and_writes_every_measure(tmp_path):
     done = subprocess.run(
         [sys.executable, "benchmarks/train_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
          "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", "--fetch", "loss",
-         "--measure-memory", "--memory-steps", "3", "--json", str(out)],
+         "--measure-memory", "--memory-steps", "3", "--memory-repeats", "2", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
@@ -23,4 +23,5 @@ def test_train_step_benchmark_runs_and_writes_every_measure(tmp_path):
         assert memory["anon_peak_delta_process_mib"] >= max(
             memory[key] for key in ("anon_peak_delta_first_steps_mib", "anon_peak_delta_train_mib",
                                     "anon_peak_delta_first_eval_mib", "anon_peak_delta_eval_mib"))
+        assert memory["repeats"] == 2
     assert "peak anon, whole run" in done.stdout
