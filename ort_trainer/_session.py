@@ -44,7 +44,7 @@ class Placement:
         self.threads = threads
         self.deterministic = deterministic
         self.xp, self.stream, self.run_options = np, None, None
-        self._free_outputs = {}  # CPU: nbytes -> blocks of returned outputs the caller dropped
+        self._free_outputs = OrderedDict()  # CPU: nbytes -> memory of an output the caller dropped
         self.providers = ["CPUExecutionProvider"]
         if self.ort_device == "cuda":
             self._use_cuda()
@@ -87,10 +87,11 @@ class Placement:
         nbytes = math.prod(shape) * dtype.itemsize
         if self.ort_device != "cpu" or numpy_dtype is None or nbytes < _POOLED_OUTPUT_BYTES:
             return torch.empty(shape, dtype=dtype, device=self.torch_device)
-        free = self._free_outputs.setdefault(nbytes, [])
-        block = free.pop() if free else np.empty(nbytes, np.uint8)
+        block = self._free_outputs.pop(nbytes, None)
+        if block is None:
+            block = np.empty(nbytes, np.uint8)
         array = block.view(numpy_dtype).reshape(shape)
-        weakref.finalize(array, _recycle, free, block).atexit = False
+        weakref.finalize(array, _recycle, self._free_outputs, block).atexit = False
         return torch.from_numpy(array)
 
     def release_cached_memory(self):
@@ -112,14 +113,22 @@ class Placement:
 
 
 _POOLED_OUTPUT_BYTES = 1 << 20
-# Free blocks kept per size: a loop that still holds the last step's outputs while the next step
-# runs needs two; more would only hold memory that no step asks for.
-_MAX_FREE_OUTPUTS_PER_SIZE = 2
+# One free block per size, for the two sizes dropped last (training and eval outputs, or the
+# short last batch): a loop that holds the last step's outputs while the next step runs needs
+# one; more sizes (variable-length batches) would hold memory no step asks for.
+_MAX_FREE_OUTPUT_SIZES = 2
 
 
 def _recycle(free, block):
-    if len(free) < _MAX_FREE_OUTPUTS_PER_SIZE:
-        free.append(block)
+    """Called when the caller has dropped the last tensor viewing `block`. Each step is one
+    atomic dict operation: finalizers may run in any thread."""
+    free[block.nbytes] = block
+    free.move_to_end(block.nbytes)
+    while len(free) > _MAX_FREE_OUTPUT_SIZES:
+        try:
+            free.popitem(last=False)
+        except KeyError:  # emptied meanwhile by another thread
+            break
 
 
 @functools.cache

@@ -59,8 +59,8 @@ def test_each_session_releases_cached_memory_around_its_first_run_only(monkeypat
 
 @pytest.fixture
 def pooled_trainer(monkeypatch):
-    """An MLP trainer whose [8, 5] logits are pooled (the size threshold lowered for the test)."""
-    monkeypatch.setattr(_session, "_POOLED_OUTPUT_BYTES", 1)
+    """An MLP trainer whose [rows, 5] logits are pooled, not its loss (threshold lowered)."""
+    monkeypatch.setattr(_session, "_POOLED_OUTPUT_BYTES", 16)
     return ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
 
 
@@ -91,7 +91,12 @@ def test_an_output_or_a_view_the_caller_holds_is_never_overwritten(pooled_traine
     assert as_numpy.ctypes.data not in addresses and (as_numpy == exported_values).all()
 
 
-def test_the_pool_keeps_at_most_two_free_outputs_per_size(pooled_trainer):
-    outputs = [pooled_trainer.eval_step(*models.mlp_batch(step))[1] for step in range(5)]
-    del outputs
-    assert len(pooled_trainer._placement._free_outputs[8 * 5 * 4]) == 2  # the logits' blocks
+def test_the_pool_keeps_one_free_output_of_each_of_the_last_two_sizes(pooled_trainer):
+    outputs = {rows: pooled_trainer.eval_step(*models.mlp_batch(0, batch=rows))[1] for rows in (8, 3, 2)}
+    another = pooled_trainer.eval_step(*models.mlp_batch(1))[1]
+    del outputs[8], another  # two of one size: one kept
+    del outputs[3], outputs[2]  # a third size: the oldest goes
+    free = pooled_trainer._placement._free_outputs
+    assert list(free) == [3 * 5 * 4, 2 * 5 * 4]
+    address = free[2 * 5 * 4].ctypes.data
+    assert pooled_trainer.eval_step(*models.mlp_batch(0, batch=2))[1].data_ptr() == address
