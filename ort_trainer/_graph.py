@@ -203,7 +203,7 @@ def fast_gather_grad(model):
     return replaced
 
 
-def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False):
+def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False, for_cpu=True):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is
@@ -211,7 +211,9 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     loss times the LOSS_SCALE_INPUT feed when loss_scaling); the eval graph computes
     `output_names` with dropout off. Outputs not fetched are not graph outputs, so ONNX Runtime
     neither materializes nor keeps them. `model` (the exported forward) is consumed: modified in
-    place.
+    place. `for_cpu`: replace ORT's single-threaded CPU kernels of the loss and the embedding
+    gradient (the CUDA provider keeps ORT's own: fewer launches, and its GatherGrad is
+    deterministic where GatherNDGrad adds with atomics).
     """
     _move_parameters_to_inputs(model, set(trainable) | set(frozen))  # first: no copy below holds weights
     add_second_outputs(model)
@@ -225,9 +227,10 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     builder = GradientGraphBuilder(optimized, {loss_name}, set(trainable), loss_name, options)
     builder.build()
     training = onnx.load_from_string(builder.get_model())
-    fast_softmax_cross_entropy(training)
-    fast_gather_grad(training)
-    fast_softmax_cross_entropy(eval_model)
+    if for_cpu:
+        fast_softmax_cross_entropy(training)
+        fast_gather_grad(training)
+        fast_softmax_cross_entropy(eval_model)
     _set_outputs(training, list(output_names) + [f"{name}_grad" for name in trainable])
     _set_outputs(eval_model, output_names)
     return training.SerializeToString(), eval_model.SerializeToString()

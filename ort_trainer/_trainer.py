@@ -394,7 +394,8 @@ class ORTTrainer:
             self._create_buffers({i.name for i in exported.graph.initializer})
         training, evaluation = build_graphs(
             exported, self._flat.names, list(self._frozen), outputs,
-            self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None)
+            self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None,
+            for_cpu=self._placement.ort_device == "cpu")
         graph = CompiledGraph(training, evaluation, self._placement, self._flat, self._frozen,
                               self.model_desc.input_names, outputs,
                               feeds={LOSS_SCALE_INPUT: self._loss_scale} if self._loss_scaler else None)

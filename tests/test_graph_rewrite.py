@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ort_trainer import _export
+from ort_trainer import ORTTrainer, _export, _trainer, optim
 from ort_trainer._graph import build_graphs, builder_session_options, fast_softmax_cross_entropy
+
+from . import models
 
 CLASSES = 11
 LOSS_OPS = {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad"}
@@ -195,3 +197,24 @@ def test_gather_gradient_on_other_axes_is_left_alone():
     training, ours, theirs = _weight_gradient(Lookup(columns=True), tokens)
     assert "GatherGrad" in op_types(training) and "GatherNDGrad" not in op_types(training)
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_graphs_for_cuda_keep_ort_kernels():
+    _, generator = _rows(6, seed=6)
+    labels = _labels(generator, (6,))
+    model = nn.Sequential(nn.Embedding(CLASSES, 6), nn.Linear(6, CLASSES))
+    tokens = torch.randint(0, CLASSES, (6,), generator=generator)
+    exported = _export.export_training_model(model, nn.functional.cross_entropy, 1, ["tokens", "labels"],
+                                             ["loss", "logits"], [tokens, labels], 14)
+    names = [_export.MODEL_PREFIX + name for name, _ in model.named_parameters()]
+    training, evaluation = build_graphs(exported, names, [], ["loss"], "loss", for_cpu=False)
+    assert LOSS_OPS | {"GatherGrad"} <= op_types(onnx.load_from_string(training))
+    assert "SoftmaxCrossEntropyLoss" in op_types(onnx.load_from_string(evaluation))
+
+
+def test_the_cpu_trainer_builds_graphs_for_the_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_trainer, "build_graphs", lambda *args, **kwargs: calls.append(kwargs) or build_graphs(*args, **kwargs))
+    trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
+    trainer.train_step(*models.mlp_batch(0))
+    assert [call["for_cpu"] for call in calls] == [True]
