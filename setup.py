@@ -25,7 +25,8 @@ setup(
             "nvidia-curand-cu11",
             "nvidia-cuda-nvrtc-cu11",
         ],
-        "test": ["pytest", "tqdm"],
-        "examples": ["tqdm"],
+        # transformers 4.57.1 accepts torch 2.13.0 as installed (no newer torch pulled in).
+        "test": ["pytest", "tqdm", "transformers==4.57.1"],
+        "examples": ["tqdm", "transformers==4.57.1"],
     },
 )

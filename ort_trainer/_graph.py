@@ -18,6 +18,11 @@ def builder_session_options():
     return options
 
 
+def used_parameters(model):
+    """Names of the initializers and graph inputs of `model`: what it may read as a parameter."""
+    return {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
+
+
 def add_second_outputs(model):
     """Give Dropout and SoftmaxCrossEntropyLoss their optional second output (in place)."""
     for node in model.graph.node:
@@ -25,7 +30,7 @@ def add_second_outputs(model):
             node.output.append(f"{node.output[0]}__second_output")
 
 
-def _move_parameters_to_inputs(model, parameter_names):
+def parameters_as_inputs(model, parameter_names):
     """Parameters become graph inputs so both graphs read them from the flat buffer."""
     kept = []
     for initializer in model.graph.initializer:
@@ -215,7 +220,7 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     gradient (the CUDA provider keeps ORT's own: fewer launches, and its GatherGrad is
     deterministic where GatherNDGrad adds with atomics).
     """
-    _move_parameters_to_inputs(model, set(trainable) | set(frozen))  # first: no copy below holds weights
+    parameters_as_inputs(model, set(trainable) | set(frozen))  # first: no copy below holds weights
     add_second_outputs(model)
     eval_model = copy.deepcopy(model)
     _disable_training_mode(eval_model)

@@ -175,9 +175,11 @@ class CompiledGraph:
     """
 
     def __init__(self, training_graph, eval_graph, placement, flat, frozen, input_names, output_names,
-                 feeds=None):
+                 feeds=None, training_flags=()):
         """feeds: {graph input name: array} bound once and read on every run (e.g. the loss scale,
-        updated in place)."""
+        updated in place). training_flags: the modules' train/eval flags the training graph was
+        exported with."""
+        self.training_flags = training_flags
         self._graphs = {True: training_graph, False: eval_graph}
         self._feeds = feeds or {}
         self._placement = placement
@@ -222,6 +224,7 @@ class CompiledGraph:
     def run(self, training, inputs, grads=None):
         """Runs one step on the bound buffers; returns the user outputs as new torch tensors.
 
+        `inputs`: {input name: tensor} (the graph's inputs; other entries are ignored).
         Training writes the gradients into `grads` (the flat gradient buffer or a scratch buffer
         of the same layout); eval computes no gradient.
         """
@@ -231,7 +234,8 @@ class CompiledGraph:
         session, binding, graph_inputs, specs = self._session(training)
         if training:
             self._bind_gradients(binding, grads)
-        for name, tensor in zip(self._input_names, inputs):
+        for name in self._input_names:
+            tensor = inputs[name]
             if name in graph_inputs:
                 self._placement.bind(binding, name, False, _TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
                                      tensor.data_ptr())

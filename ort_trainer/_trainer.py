@@ -7,8 +7,9 @@ import numpy as np
 import torch
 
 from . import _checkpoint, _distributed, _export
+from ._binding import bind_inputs, training_flags, training_flags_kept
 from ._flat import FlatParameters, as_torch
-from ._graph import LOSS_SCALE_INPUT, build_graphs
+from ._graph import LOSS_SCALE_INPUT, build_graphs, used_parameters
 from ._model_desc import parse_model_desc
 from ._optimizers import _OPTIMIZERS
 from ._options import ORTTrainerOptions
@@ -40,9 +41,10 @@ class ORTTrainer:
         model_desc: `{'inputs': [(name, shape[, dtype])], 'outputs': [(name, shape[, is_loss])]}`;
             string dims are dynamic, exactly one output is the loss (first when `loss_fn` is given).
         optim_config: `optim.SGDConfig`, `optim.AdamConfig` or `optim.LambConfig`.
-        loss_fn: `loss_fn(model_output, *labels)`, traced into the same graph; the trailing
-            inputs that `model.forward` does not take are the labels. `None`: the model's own
-            output flagged `is_loss` is the loss.
+        loss_fn: `loss_fn(model_output, *labels)`, traced into the same graph. Inputs reach
+            `model.forward` by name (keywords); the inputs it does not take are the labels (the
+            whole rule: `_binding.py`, README). `None`: the model's own output flagged
+            `is_loss` is the loss.
         options: `ORTTrainerOptions` or a dict for it. Note `utils.grad_norm_clip` defaults to
             True (as in the original): gradients are clipped to `optim_config.max_norm_clip`
             (default 1.0) by global norm unless you turn it off.
@@ -73,10 +75,7 @@ class ORTTrainer:
         self.optim_config = optim_config
         self.loss_fn = loss_fn
         self.options = options
-        self._num_model_inputs = _export.count_model_inputs(model, desc.input_names, loss_fn is not None)
-        if loss_fn is not None and self._num_model_inputs == len(desc.inputs):
-            raise ValueError("Invalid model_desc: with a loss_fn at least one input must be a label, "
-                             f"but every input {list(desc.input_names)} goes to model.forward")
+        self._binding = bind_inputs(model, desc.input_names, loss_fn is not None)
         named = dict(model.named_parameters())
         frozen = list(options.utils.frozen_weights)
         unknown = sorted(set(frozen) - set(named))
@@ -98,6 +97,8 @@ class ORTTrainer:
         self._lr_scheduler = options.lr_scheduler
         self._loss_scaler, self._loss_scale = _loss_scaling(options, self._placement.xp)
         self._graphs = GraphCache(options.utils.max_cached_graphs)
+        self._exports = _export.TrainingExports(model, loss_fn, self._binding, desc.inputs, desc.output_names,
+                                                options._internal_use.onnx_opset_version)
         self._input_dtypes = None
         self._sample_inputs = None
         self._flat = None
@@ -112,7 +113,12 @@ class ORTTrainer:
         """Forward, loss, backward, (clip) and one optimizer update. Returns the outputs of
         model_desc in order (one output bare, several as a list)."""
         inputs, signature = self._prepare_inputs("train_step", args, kwargs)
-        graph = self._graph_for(signature, inputs, self._fetched_outputs("train_step"))
+        if not self.model.training:
+            warnings.warn(f"train_step: the model is in eval mode ({type(self.model).__name__}.training is False), "
+                          "so it trains as torch would in eval mode: dropout off, norm layers on running "
+                          "statistics. Call model.train() to train with dropout (from_pretrained() returns "
+                          "models in eval mode)")
+        graph = self._graph_for(signature, inputs, self._fetched_outputs("train_step"), training=True)
         accumulation = self.options.batch.gradient_accumulation_steps
         micro_step = self._train_step_info.step % accumulation
         if micro_step == 0:
@@ -164,7 +170,8 @@ class ORTTrainer:
     def eval_step(self, *args, **kwargs):
         """Forward and loss with dropout off; no gradient, no update, no step counted."""
         inputs, signature = self._prepare_inputs("eval_step", args, kwargs)
-        outputs = self._graph_for(signature, inputs, self._fetched_outputs("eval_step")).run(False, inputs)
+        graph = self._graph_for(signature, inputs, self._fetched_outputs("eval_step"), training=False)
+        outputs = graph.run(False, inputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
     # ---------------------------------------------------------------- checkpoints
@@ -315,10 +322,11 @@ class ORTTrainer:
         """
         if self._sample_inputs is None:
             raise RuntimeError("export_onnx() needs a sample batch: call train_step() or eval_step() once first")
-        count = self._num_model_inputs
+        model_inputs = self._binding.model_inputs
         outputs = self.model_desc.output_names[1:] if self.loss_fn is not None else self.model_desc.output_names
         serialized, static = _export.export_inference_model(
-            self.model, count, self.model_desc.inputs[:count], outputs, self._sample_inputs[:count],
+            self.model, self._binding, [spec for spec in self.model_desc.inputs if spec.name in model_inputs],
+            outputs, {name: self._sample_inputs[name] for name in model_inputs},
             self.options._internal_use.onnx_opset_version)
         if static:
             warnings.warn(f"export_onnx: dims {static} are fixed to the sample batch's sizes: the exporter baked "
@@ -327,7 +335,11 @@ class ORTTrainer:
 
     # ---------------------------------------------------------------- inputs
     def _prepare_inputs(self, method, args, kwargs):
-        """Checks the caller's inputs against model_desc; returns (tensors, signature)."""
+        """Checks the caller's inputs against model_desc; returns ({name: tensor or None}, signature).
+
+        None means "not passed" (for inputs the binding may leave out); which inputs are None is
+        part of the signature.
+        """
         desc = self.model_desc
         if len(args) == 1 and isinstance(args[0], (list, tuple)) and len(desc.inputs) > 1:
             args = tuple(args[0])
@@ -343,18 +355,23 @@ class ORTTrainer:
         if len(args) > len(expected) or len(given) != len(expected):
             raise TypeError(f"{method}() expects {len(expected)} inputs {expected}, "
                             f"got {len(args) + len(kwargs)}")
-        tensors, named_dims = [], {}
-        for index, spec in enumerate(desc.inputs):
-            tensor = self._as_tensor(method, spec.name, given[spec.name])
-            expected_dtype = spec.dtype or (self._input_dtypes and self._input_dtypes[index])
+        values, named_dims = {}, {}
+        for spec in desc.inputs:
+            value = given[spec.name]
+            self._binding.check_value(method, spec.name, value)
+            if value is None:
+                values[spec.name] = None
+                continue
+            tensor = self._as_tensor(method, spec.name, value)
+            expected_dtype = spec.dtype or (self._input_dtypes and self._input_dtypes.get(spec.name))
             if expected_dtype and tensor.dtype != expected_dtype:
                 origin = "model_desc" if spec.dtype else "the first batch"
                 raise TypeError(f"{method}(): input {spec.name!r} has dtype {tensor.dtype}, "
                                 f"expected {expected_dtype} (from {origin})")
             _check_shape(method, spec, tuple(tensor.shape), named_dims)
-            tensors.append(tensor.contiguous())
-        signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        return tensors, signature
+            values[spec.name] = tensor.contiguous()
+        signature = tuple(None if t is None else (tuple(t.shape), t.dtype) for t in values.values())
+        return values, signature
 
     def _as_tensor(self, method, name, value):
         if isinstance(value, np.ndarray):
@@ -380,62 +397,95 @@ class ORTTrainer:
         return fetches or self.model_desc.output_names
 
     # ---------------------------------------------------------------- graphs
-    def _graph_for(self, signature, inputs, outputs):
+    def _graph_for(self, signature, values, outputs, training):
+        """The compiled graph for this input signature and these outputs, built on first use.
+
+        The training graph is compiled for the modules' train/eval flags of that moment (they are
+        the user's: a submodule in eval mode trains with its dropout off, as in torch); a
+        train_step after the flags changed compiles again. A graph re-derived from an earlier
+        export (a new input shape) is first proven against torch at this shape."""
+        flags = training_flags(self.model)
         graph = self._graphs.get((signature, outputs))
-        if graph is not None:
+        if graph is not None and (not training or graph.training_flags == flags):
             return graph
-        if self._flat is None:
-            self._refuse_mutated_buffers(inputs)
-        exported = _export.export_training_model(
-            self.model, self.loss_fn, self._num_model_inputs, self.model_desc.input_names,
-            self.model_desc.output_names, inputs, self.options._internal_use.onnx_opset_version)
-        self._check_output_shapes(exported, inputs)
-        if self._flat is None:
-            self._create_buffers({i.name for i in exported.graph.initializer})
-        training, evaluation = build_graphs(
-            exported, self._flat.names, list(self._frozen), outputs,
-            self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None,
-            for_cpu=self._placement.ort_device == "cpu")
-        graph = CompiledGraph(training, evaluation, self._placement, self._flat, self._frozen,
-                              self.model_desc.input_names, outputs,
-                              feeds={LOSS_SCALE_INPUT: self._loss_scale} if self._loss_scaler else None)
-        if self.options.debug.check_model_export:
-            self._check_export(graph, inputs, outputs)
-        self._graphs.put((signature, outputs), graph)
-        if self._input_dtypes is None:
-            self._input_dtypes = [dtype for _, dtype in signature]
-            self._sample_inputs = inputs
-        return graph
-
-    def _check_output_shapes(self, exported, inputs):
-        """The exported (static) output shapes must fit model_desc's, named dims resolved from the inputs."""
-        named = {}
-        for spec, tensor in zip(self.model_desc.inputs, inputs):
-            named.update((dim, size) for dim, size in zip(spec.shape, tensor.shape) if isinstance(dim, str))
-        produced = {o.name: [d.dim_value if d.HasField("dim_value") else None
-                             for d in o.type.tensor_type.shape.dim] for o in exported.graph.output}
-        for spec in self.model_desc.outputs:
-            shape = produced[spec.name]
-            declared = f"model_desc output {spec.name!r} is declared {list(spec.shape)}"
-            if len(shape) != len(spec.shape):
-                raise ValueError(f"{declared}, but the model produces shape {shape}")
-            expected = [named.setdefault(dim, size) if isinstance(dim, str) else dim
-                        for dim, size in zip(spec.shape, shape)]
-            if any(None not in (a, b) and a != b for a, b in zip(shape, expected)):
-                raise ValueError(f"{declared} (here {expected}), but the model produces shape {shape}")
-
-    def _refuse_mutated_buffers(self, inputs):
-        mutated = _export.mutated_buffers(self.model, self._num_model_inputs, inputs)
+        declared, mutated = _export.probe(self.model, self.loss_fn, self._binding, values,
+                                          self.model_desc.output_names)
         if mutated:
             raise NotImplementedError(
                 f"the model updates buffers {mutated} in training mode (e.g. BatchNorm running statistics); "
-                "the training graph cannot write them back, so this model is refused rather than trained wrong")
+                "the training graph cannot write them back, so this model is refused rather than trained wrong. "
+                "Ways out: put those layers in eval mode (e.g. `for m in model.modules(): if isinstance(m, "
+                "nn.modules.batchnorm._BatchNorm): m.eval()`: they then use and keep their running statistics), "
+                "or build them with track_running_stats=False (batch statistics, no buffers)")
+        self._check_output_shapes(declared, values)
+        exported, unproven = self._exports.get(values, flags)
+        graph = self._compile(exported, values, outputs, flags)
+        if unproven and self._differs_from_torch(graph, values, outputs) is not None:
+            self._exports.reject(values, flags)
+            graph = self._compile(self._exports.get(values, flags)[0], values, outputs, flags)
+        if self.options.debug.check_model_export:
+            self._check_export(graph, values, outputs)
+        self._graphs.put((signature, outputs), graph)
+        if self._input_dtypes is None:
+            self._input_dtypes = {name: value.dtype for name, value in values.items() if value is not None}
+            self._sample_inputs = values
+        return graph
 
-    def _create_buffers(self, initializer_names):
+    def _compile(self, exported, values, outputs, flags):
+        """Training and eval graphs from an export (consumed), on the flat buffers."""
+        if self._flat is None:
+            self._create_buffers(used_parameters(exported))
+        training_graph, evaluation = build_graphs(
+            exported, self._flat.names, list(self._frozen), outputs,
+            self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None,
+            for_cpu=self._placement.ort_device == "cpu")
+        present = [name for name, value in values.items() if value is not None]
+        return CompiledGraph(training_graph, evaluation, self._placement, self._flat, self._frozen, present, outputs,
+                             feeds={LOSS_SCALE_INPUT: self._loss_scale} if self._loss_scaler else None,
+                             training_flags=flags)
+
+    def _differs_from_torch(self, graph, values, outputs):
+        """None when the eval graph computes what torch's eval-mode forward does on `values`,
+        else a description of the first difference (or of the failure)."""
+        expected = dict(zip(self.model_desc.output_names, _export.eval_outputs(
+            self.model, self.loss_fn, self._binding, values, self.model_desc.output_names)))
+        try:
+            ours = graph.run(False, values)
+        except Exception as error:  # e.g. a Reshape to a size the exporter baked in
+            return f"the graph fails: {type(error).__name__}: {str(error).splitlines()[0]}"
+        for name, tensor in zip(outputs, ours):
+            theirs = expected[name]
+            if tensor.shape != theirs.shape or not torch.allclose(tensor, theirs, rtol=1e-3, atol=1e-5):
+                if tensor.shape != theirs.shape:
+                    return f"output {name!r} of the exported graph has shape {list(tensor.shape)}, torch's " \
+                           f"{list(theirs.shape)}"
+                difference = (tensor - theirs).abs().max().item()
+                return (f"output {name!r} of the exported graph differs from the torch model by up to "
+                        f"{difference:.3g} (rtol 1e-3, atol 1e-5)")
+        return None
+
+    def _check_output_shapes(self, declared, values):
+        """The model's output shapes must fit model_desc's, named dims resolved from the inputs."""
+        named = {}
+        for spec in self.model_desc.inputs:
+            if values[spec.name] is not None:
+                named.update((dim, size) for dim, size in zip(spec.shape, values[spec.name].shape)
+                             if isinstance(dim, str))
+        for spec, tensor in zip(self.model_desc.outputs, declared):
+            shape = list(tensor.shape)
+            declared_as = f"model_desc output {spec.name!r} is declared {list(spec.shape)}"
+            if len(shape) != len(spec.shape):
+                raise ValueError(f"{declared_as}, but the model produces shape {shape}")
+            expected = [named.setdefault(dim, size) if isinstance(dim, str) else dim
+                        for dim, size in zip(spec.shape, shape)]
+            if shape != expected:
+                raise ValueError(f"{declared_as} (here {expected}), but the model produces shape {shape}")
+
+    def _create_buffers(self, graph_names):
         """Flat buffers for the parameters the graph uses; unused ones stay untouched, as in torch."""
         prefix = _export.MODEL_PREFIX
         named = {name: p for name, p in self.model.named_parameters()}
-        used = {name for name in named if prefix + name in initializer_names}
+        used = {name for name in named if prefix + name in graph_names}
         unused = sorted(set(named) - used - self._frozen_names)
         if unused:
             warnings.warn(f"parameters {unused} are not used by the model's forward/loss and will not be trained")
@@ -456,23 +506,11 @@ class ORTTrainer:
             self._load_optimizer_state(self._pending_optimizer_state)
         self._pending_optimizer_state = None
 
-    def _check_export(self, graph, inputs, outputs):
+    def _check_export(self, graph, values, outputs):
         """debug.check_model_export: the eval graph must match torch's eval-mode forward."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                expected = _export.flatten_outputs(_export._ModelWithLoss(
-                    self.model, self.loss_fn, self._num_model_inputs)(*inputs))
-        finally:
-            self.model.train(was_training)
-        expected = dict(zip(self.model_desc.output_names, expected))
-        for name, ours in zip(outputs, graph.run(False, inputs)):
-            theirs = expected[name]
-            if not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-5):
-                difference = (ours - theirs).abs().max().item()
-                raise RuntimeError(f"debug.check_model_export: output {name!r} of the exported graph differs "
-                                   f"from the torch model by up to {difference:.3g} (rtol 1e-3, atol 1e-5)")
+        difference = self._differs_from_torch(graph, values, outputs)
+        if difference is not None:
+            raise RuntimeError(f"debug.check_model_export: {difference}")
 
 
 def _plain(value):

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ort_trainer import ORTTrainer, _export, _trainer, optim
+from ort_trainer._binding import bind_inputs
 from ort_trainer._graph import build_graphs, builder_session_options, fast_softmax_cross_entropy
 
 from . import models
@@ -45,11 +46,15 @@ def _labels(generator, shape, ignored=(), ignore_value=-100):
     return labels
 
 
+def _exported(model, loss_fn, input_names, output_names, inputs):
+    binding = bind_inputs(model, input_names, loss_fn is not None)
+    return _export.export_training_model(model, loss_fn, binding, output_names, dict(zip(input_names, inputs)), 14)
+
+
 def run(loss_fn, x, labels, spatial=False):
     """(training graph, eval graph, ours {loss, eval_loss, grads}, torch's {loss, grads})."""
     model = Head(spatial)
-    exported = _export.export_training_model(model, loss_fn, 1, ["x", "labels"], ["loss", "logits"],
-                                             [x, labels], 14)
+    exported = _exported(model, loss_fn, ["x", "labels"], ["loss", "logits"], [x, labels])
     names = [_export.MODEL_PREFIX + name for name, _ in model.named_parameters()]
     training, evaluation = build_graphs(exported, names, [], ["loss", "logits"], "loss")
     params = {_export.MODEL_PREFIX + name: p.detach().numpy() for name, p in model.named_parameters()}
@@ -176,7 +181,7 @@ class Lookup(nn.Module):
 
 def _weight_gradient(model, tokens):
     """(training graph, its gradient of model.weight, torch's) for loss = model(tokens)."""
-    exported = _export.export_training_model(model, None, 1, ["tokens"], ["loss"], [tokens], 14)
+    exported = _exported(model, None, ["tokens"], ["loss"], [tokens])
     name = _export.MODEL_PREFIX + "weight"
     training, _ = build_graphs(exported, [name], [], ["loss"], "loss")
     session = onnxruntime.InferenceSession(training, builder_session_options(), providers=["CPUExecutionProvider"])
@@ -204,8 +209,8 @@ def test_graphs_for_cuda_keep_ort_kernels():
     labels = _labels(generator, (6,))
     model = nn.Sequential(nn.Embedding(CLASSES, 6), nn.Linear(6, CLASSES))
     tokens = torch.randint(0, CLASSES, (6,), generator=generator)
-    exported = _export.export_training_model(model, nn.functional.cross_entropy, 1, ["tokens", "labels"],
-                                             ["loss", "logits"], [tokens, labels], 14)
+    exported = _exported(model, nn.functional.cross_entropy, ["tokens", "labels"], ["loss", "logits"],
+                         [tokens, labels])
     names = [_export.MODEL_PREFIX + name for name, _ in model.named_parameters()]
     training, evaluation = build_graphs(exported, names, [], ["loss"], "loss", for_cpu=False)
     assert LOSS_OPS | {"GatherGrad"} <= op_types(onnx.load_from_string(training))
