@@ -77,12 +77,51 @@ def probe(model, loss_fn, binding, values, output_names):
                 b.copy_(before[name])
 
 
-def eval_outputs(model, loss_fn, binding, values, output_names):
-    """model + loss in eval mode (dropout off), no grad: what the eval graph must compute."""
+def check_traceable(model, loss_fn, binding, desc, values):
+    """Before an export: the probe's forward must leave every buffer alone and give model_desc's
+    output shapes (named dims resolved from the inputs)."""
+    declared, mutated = probe(model, loss_fn, binding, values, desc.output_names)
+    if mutated:
+        raise NotImplementedError(
+            f"the model updates buffers {mutated} in training mode (e.g. BatchNorm running statistics); "
+            "the training graph cannot write them back, so this model is refused rather than trained wrong. "
+            "Ways out: put those layers in eval mode (e.g. `for m in model.modules(): if isinstance(m, "
+            "nn.modules.batchnorm._BatchNorm): m.eval()`: they then use and keep their running statistics), "
+            "or build them with track_running_stats=False (batch statistics, no buffers)")
+    named = {}
+    for spec in desc.inputs:
+        if values[spec.name] is not None:
+            named.update((dim, size) for dim, size in zip(spec.shape, values[spec.name].shape) if isinstance(dim, str))
+    for spec, tensor in zip(desc.outputs, declared):
+        shape = list(tensor.shape)
+        declared_as = f"model_desc output {spec.name!r} is declared {list(spec.shape)}"
+        if len(shape) != len(spec.shape):
+            raise ValueError(f"{declared_as}, but the model produces shape {shape}")
+        expected = [named.setdefault(dim, size) if isinstance(dim, str) else dim for dim, size in zip(spec.shape, shape)]
+        if shape != expected:
+            raise ValueError(f"{declared_as} (here {expected}), but the model produces shape {shape}")
+
+
+def eval_graph_differs(graph, model, loss_fn, binding, values, output_names, fetched):
+    """None when the compiled eval graph computes what torch's eval-mode forward (dropout off, no
+    grad) does on `values`, else what differs: the proof of a re-derived graph, and
+    debug.check_model_export."""
     names, tensors = present_inputs(values)
     with training_flags_kept(model), torch.no_grad():
         model.eval()
-        return TracedStep(model, loss_fn, binding, names, output_names)(*tensors)
+        expected = dict(zip(output_names, TracedStep(model, loss_fn, binding, names, output_names)(*tensors)))
+    try:
+        ours = graph.run(False, values)
+    except Exception as error:  # e.g. a Reshape to a size the exporter baked in
+        return f"the exported graph fails: {type(error).__name__}: {str(error).splitlines()[0]}"
+    for name, tensor in zip(fetched, ours):
+        theirs = expected[name]
+        if tensor.shape != theirs.shape:
+            return f"output {name!r} of the exported graph has shape {list(tensor.shape)}, torch's {list(theirs.shape)}"
+        if not torch.allclose(tensor, theirs, rtol=1e-3, atol=1e-5):
+            return (f"output {name!r} of the exported graph differs from the torch model by up to "
+                    f"{(tensor - theirs).abs().max().item():.3g} (rtol 1e-3, atol 1e-5)")
+    return None
 
 
 def _export(module, args, buffer, **kwargs):

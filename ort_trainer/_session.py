@@ -33,12 +33,19 @@ def _pointer(array):
     return array.data.ptr
 
 
+def torch_device(device_id):
+    """The torch device of options.device.id, with its index: 'cuda' is 'cuda:0' (tensors on the
+    GPU always report an index, and torch.device('cuda') != torch.device('cuda', 0))."""
+    device = torch.device(device_id)
+    return torch.device(device.type, 0) if device.type == "cuda" and device.index is None else device
+
+
 class Placement:
     """Where the graphs run: the ORT device name and index, providers and the torch device."""
 
     def __init__(self, device_id, threads, deterministic):
         self.device_id = device_id
-        self.torch_device = torch.device(device_id)
+        self.torch_device = torch_device(device_id)
         self.ort_device = self.torch_device.type
         self.index = self.torch_device.index or 0
         self.threads = threads

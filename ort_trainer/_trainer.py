@@ -7,9 +7,10 @@ import numpy as np
 import torch
 
 from . import _checkpoint, _distributed, _export
-from ._binding import bind_inputs, training_flags, training_flags_kept
+from ._binding import bind_inputs, training_flags
 from ._flat import FlatParameters, as_torch
 from ._graph import LOSS_SCALE_INPUT, build_graphs, used_parameters
+from ._inputs import InputChecks
 from ._model_desc import parse_model_desc
 from ._optimizers import _OPTIMIZERS
 from ._options import ORTTrainerOptions
@@ -94,12 +95,12 @@ class ORTTrainer:
         self._distributed = _distributed.setup(options)
         self._placement = Placement(options.device.id, torch.get_num_threads(),
                                     options.debug.deterministic_compute)
+        self._inputs = InputChecks(desc, self._binding, self._placement.torch_device)
         self._lr_scheduler = options.lr_scheduler
         self._loss_scaler, self._loss_scale = _loss_scaling(options, self._placement.xp)
         self._graphs = GraphCache(options.utils.max_cached_graphs)
         self._exports = _export.TrainingExports(model, loss_fn, self._binding, desc.inputs, desc.output_names,
                                                 options._internal_use.onnx_opset_version)
-        self._input_dtypes = None
         self._sample_inputs = None
         self._flat = None
         self._frozen = None
@@ -112,7 +113,7 @@ class ORTTrainer:
     def train_step(self, *args, **kwargs):
         """Forward, loss, backward, (clip) and one optimizer update. Returns the outputs of
         model_desc in order (one output bare, several as a list)."""
-        inputs, signature = self._prepare_inputs("train_step", args, kwargs)
+        inputs, signature = self._inputs.check("train_step", args, kwargs)
         if not self.model.training:
             warnings.warn(f"train_step: the model is in eval mode ({type(self.model).__name__}.training is False), "
                           "so it trains as torch would in eval mode: dropout off, norm layers on running "
@@ -169,7 +170,7 @@ class ORTTrainer:
 
     def eval_step(self, *args, **kwargs):
         """Forward and loss with dropout off; no gradient, no update, no step counted."""
-        inputs, signature = self._prepare_inputs("eval_step", args, kwargs)
+        inputs, signature = self._inputs.check("eval_step", args, kwargs)
         graph = self._graph_for(signature, inputs, self._fetched_outputs("eval_step"), training=False)
         outputs = graph.run(False, inputs)
         return outputs[0] if len(outputs) == 1 else outputs
@@ -334,56 +335,6 @@ class ORTTrainer:
         _checkpoint.atomic_write(path, lambda file: file.write(serialized))
 
     # ---------------------------------------------------------------- inputs
-    def _prepare_inputs(self, method, args, kwargs):
-        """Checks the caller's inputs against model_desc; returns ({name: tensor or None}, signature).
-
-        None means "not passed" (for inputs the binding may leave out); which inputs are None is
-        part of the signature.
-        """
-        desc = self.model_desc
-        if len(args) == 1 and isinstance(args[0], (list, tuple)) and len(desc.inputs) > 1:
-            args = tuple(args[0])
-        expected = list(desc.input_names)
-        unknown = sorted(set(kwargs) - set(expected))
-        if unknown:
-            raise TypeError(f"{method}() got unexpected keyword inputs {unknown}; model_desc inputs are {expected}")
-        given = dict(zip(expected, args))
-        twice = sorted(set(given) & set(kwargs))
-        if twice:
-            raise TypeError(f"{method}() got inputs {twice} both by position and by keyword")
-        given.update(kwargs)
-        if len(args) > len(expected) or len(given) != len(expected):
-            raise TypeError(f"{method}() expects {len(expected)} inputs {expected}, "
-                            f"got {len(args) + len(kwargs)}")
-        values, named_dims = {}, {}
-        for spec in desc.inputs:
-            value = given[spec.name]
-            self._binding.check_value(method, spec.name, value)
-            if value is None:
-                values[spec.name] = None
-                continue
-            tensor = self._as_tensor(method, spec.name, value)
-            expected_dtype = spec.dtype or (self._input_dtypes and self._input_dtypes.get(spec.name))
-            if expected_dtype and tensor.dtype != expected_dtype:
-                origin = "model_desc" if spec.dtype else "the first batch"
-                raise TypeError(f"{method}(): input {spec.name!r} has dtype {tensor.dtype}, "
-                                f"expected {expected_dtype} (from {origin})")
-            _check_shape(method, spec, tuple(tensor.shape), named_dims)
-            values[spec.name] = tensor.contiguous()
-        signature = tuple(None if t is None else (tuple(t.shape), t.dtype) for t in values.values())
-        return values, signature
-
-    def _as_tensor(self, method, name, value):
-        if isinstance(value, np.ndarray):
-            value = torch.from_numpy(value)
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{method}(): input {name!r} must be a torch.Tensor or numpy.ndarray, "
-                            f"got {type(value).__name__}")
-        if value.device != self._placement.torch_device:
-            raise ValueError(f"{method}(): input {name!r} is on {value.device}, but the trainer runs on "
-                             f"{self._placement.torch_device} (options.device.id)")
-        return value
-
     def _fetched_outputs(self, method):
         """The outputs to compute and return: `train_step_info.fetches`, or all of model_desc's.
 
@@ -398,43 +349,43 @@ class ORTTrainer:
 
     # ---------------------------------------------------------------- graphs
     def _graph_for(self, signature, values, outputs, training):
-        """The compiled graph for this input signature and these outputs, built on first use.
+        """The cached graph for this input signature and these outputs, else a new one.
 
         The training graph is compiled for the modules' train/eval flags of that moment (they are
         the user's: a submodule in eval mode trains with its dropout off, as in torch); a
-        train_step after the flags changed compiles again. A graph re-derived from an earlier
-        export (a new input shape) is first proven against torch at this shape."""
+        train_step after the flags changed compiles again."""
         flags = training_flags(self.model)
         graph = self._graphs.get((signature, outputs))
-        if graph is not None and (not training or graph.training_flags == flags):
-            return graph
-        declared, mutated = _export.probe(self.model, self.loss_fn, self._binding, values,
-                                          self.model_desc.output_names)
-        if mutated:
-            raise NotImplementedError(
-                f"the model updates buffers {mutated} in training mode (e.g. BatchNorm running statistics); "
-                "the training graph cannot write them back, so this model is refused rather than trained wrong. "
-                "Ways out: put those layers in eval mode (e.g. `for m in model.modules(): if isinstance(m, "
-                "nn.modules.batchnorm._BatchNorm): m.eval()`: they then use and keep their running statistics), "
-                "or build them with track_running_stats=False (batch statistics, no buffers)")
-        self._check_output_shapes(declared, values)
+        if graph is None or (training and graph.training_flags != flags):
+            graph = self._compile_graph(values, outputs, flags)
+            self._graphs.put((signature, outputs), graph)
+        return graph
+
+    def _compile_graph(self, values, outputs, flags):
+        """Probe, export (or re-derive), create the flat buffers on the first compile, build.
+
+        A graph re-derived from an earlier export (a new input shape) is first proven against
+        torch at this shape; one that fails is traced again."""
+        desc = self.model_desc
+        _export.check_traceable(self.model, self.loss_fn, self._binding, desc, values)
         exported, unproven = self._exports.get(values, flags)
-        graph = self._compile(exported, values, outputs, flags)
+        if self._flat is None:
+            self._create_training_state(used_parameters(exported))
+        graph = self._build(exported, values, outputs, flags)
         if unproven and self._differs_from_torch(graph, values, outputs) is not None:
             self._exports.reject(values, flags)
-            graph = self._compile(self._exports.get(values, flags)[0], values, outputs, flags)
+            graph = self._build(self._exports.get(values, flags)[0], values, outputs, flags)
         if self.options.debug.check_model_export:
-            self._check_export(graph, values, outputs)
-        self._graphs.put((signature, outputs), graph)
-        if self._input_dtypes is None:
-            self._input_dtypes = {name: value.dtype for name, value in values.items() if value is not None}
+            difference = self._differs_from_torch(graph, values, outputs)
+            if difference is not None:
+                raise RuntimeError(f"debug.check_model_export: {difference}")
+        if self._sample_inputs is None:
+            self._inputs.remember_dtypes(values)
             self._sample_inputs = values
         return graph
 
-    def _compile(self, exported, values, outputs, flags):
+    def _build(self, exported, values, outputs, flags):
         """Training and eval graphs from an export (consumed), on the flat buffers."""
-        if self._flat is None:
-            self._create_buffers(used_parameters(exported))
         training_graph, evaluation = build_graphs(
             exported, self._flat.names, list(self._frozen), outputs,
             self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None,
@@ -445,44 +396,13 @@ class ORTTrainer:
                              training_flags=flags)
 
     def _differs_from_torch(self, graph, values, outputs):
-        """None when the eval graph computes what torch's eval-mode forward does on `values`,
-        else a description of the first difference (or of the failure)."""
-        expected = dict(zip(self.model_desc.output_names, _export.eval_outputs(
-            self.model, self.loss_fn, self._binding, values, self.model_desc.output_names)))
-        try:
-            ours = graph.run(False, values)
-        except Exception as error:  # e.g. a Reshape to a size the exporter baked in
-            return f"the graph fails: {type(error).__name__}: {str(error).splitlines()[0]}"
-        for name, tensor in zip(outputs, ours):
-            theirs = expected[name]
-            if tensor.shape != theirs.shape or not torch.allclose(tensor, theirs, rtol=1e-3, atol=1e-5):
-                if tensor.shape != theirs.shape:
-                    return f"output {name!r} of the exported graph has shape {list(tensor.shape)}, torch's " \
-                           f"{list(theirs.shape)}"
-                difference = (tensor - theirs).abs().max().item()
-                return (f"output {name!r} of the exported graph differs from the torch model by up to "
-                        f"{difference:.3g} (rtol 1e-3, atol 1e-5)")
-        return None
+        """None when the eval graph computes what torch's eval-mode forward does on `values`."""
+        return _export.eval_graph_differs(graph, self.model, self.loss_fn, self._binding, values,
+                                          self.model_desc.output_names, outputs)
 
-    def _check_output_shapes(self, declared, values):
-        """The model's output shapes must fit model_desc's, named dims resolved from the inputs."""
-        named = {}
-        for spec in self.model_desc.inputs:
-            if values[spec.name] is not None:
-                named.update((dim, size) for dim, size in zip(spec.shape, values[spec.name].shape)
-                             if isinstance(dim, str))
-        for spec, tensor in zip(self.model_desc.outputs, declared):
-            shape = list(tensor.shape)
-            declared_as = f"model_desc output {spec.name!r} is declared {list(spec.shape)}"
-            if len(shape) != len(spec.shape):
-                raise ValueError(f"{declared_as}, but the model produces shape {shape}")
-            expected = [named.setdefault(dim, size) if isinstance(dim, str) else dim
-                        for dim, size in zip(spec.shape, shape)]
-            if shape != expected:
-                raise ValueError(f"{declared_as} (here {expected}), but the model produces shape {shape}")
-
-    def _create_buffers(self, graph_names):
-        """Flat buffers for the parameters the graph uses; unused ones stay untouched, as in torch."""
+    def _create_training_state(self, graph_names):
+        """The flat buffers and the optimizer, for the parameters the graph uses (unused ones stay
+        untouched, as in torch), with any optimizer state loaded before the first step."""
         prefix = _export.MODEL_PREFIX
         named = {name: p for name, p in self.model.named_parameters()}
         used = {name for name in named if prefix + name in graph_names}
@@ -505,12 +425,6 @@ class ORTTrainer:
         if self._pending_optimizer_state is not None and self._pending_optimizer_state["state"]:
             self._load_optimizer_state(self._pending_optimizer_state)
         self._pending_optimizer_state = None
-
-    def _check_export(self, graph, values, outputs):
-        """debug.check_model_export: the eval graph must match torch's eval-mode forward."""
-        difference = self._differs_from_torch(graph, values, outputs)
-        if difference is not None:
-            raise RuntimeError(f"debug.check_model_export: {difference}")
 
 
 def _plain(value):
@@ -541,21 +455,6 @@ def _loss_scaling(options, xp):
     warnings.warn("mixed_precision.enabled: the graphs compute in fp32 (fp16 compute is not implemented yet); "
                   "dynamic loss scaling and skipping updates with non-finite gradients are active")
     return scaler, xp.array(scaler.loss_scale, dtype=np.float32)
-
-
-def _check_shape(method, spec, shape, named_dims):
-    if len(shape) != len(spec.shape):
-        raise ValueError(f"{method}(): input {spec.name!r} has shape {list(shape)}, expected rank "
-                         f"{len(spec.shape)} {list(spec.shape)}")
-    for axis, (actual, wanted) in enumerate(zip(shape, spec.shape)):
-        if isinstance(wanted, str):
-            seen = named_dims.setdefault(wanted, (actual, spec.name))
-            if seen[0] != actual:
-                raise ValueError(f"{method}(): dim {wanted!r} is {seen[0]} in input {seen[1]!r} but {actual} "
-                                 f"in input {spec.name!r} (axis {axis})")
-        elif actual != wanted:
-            raise ValueError(f"{method}(): input {spec.name!r} has shape {list(shape)}, but axis {axis} must be "
-                             f"{wanted} (model_desc {list(spec.shape)})")
 
 
 def _first(names, count=10):
