@@ -1,28 +1,19 @@
 """ONNX Runtime sessions bound to the flat buffers, one compiled graph per input signature."""
 import contextlib
-import ctypes
-import functools
-import math
-import weakref
 from collections import OrderedDict
 
 import numpy as np
-import onnx
 import onnxruntime
 import torch
 
 from ._cuda import require_cuda
 from ._graph import builder_session_options
+from ._memory import TORCH_TO_NUMPY, memory_policy
 
 _ORT_TYPE_TO_TORCH = {
     "tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
     "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32,
     "tensor(int8)": torch.int8, "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool,
-}
-_TORCH_TO_NUMPY = {
-    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-    torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8,
-    torch.bool: np.bool_,
 }
 
 
@@ -51,7 +42,7 @@ class Placement:
         self.threads = threads
         self.deterministic = deterministic
         self.xp, self.stream, self.run_options = np, None, None
-        self._free_outputs = OrderedDict()  # CPU: nbytes -> memory of an output the caller dropped
+        self.memory = memory_policy(self.torch_device)
         self.providers = ["CPUExecutionProvider"]
         if self.ort_device == "cuda":
             self._use_cuda()
@@ -78,100 +69,12 @@ class Placement:
         # Idle ORT workers block instead of spinning: each step runs torch's clip + optimizer on
         # the same cores right after the graph, and spinning workers starve them (benchmarks/).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if self.ort_device == "cpu":
-            _register_shared_cpu_arena()
-            options.add_session_config_entry("session.use_env_allocators", "1")
+        self.memory.configure(options)
         return options
-
-    def output_tensor(self, shape, dtype):
-        """A new tensor for a graph output, which the caller owns from then on.
-
-        On the CPU a large output reuses the memory of an earlier one once the caller has
-        dropped every tensor that views it (a finalizer on the NumPy array under the tensor puts
-        it back): a fresh 77 MiB tensor costs ~20k page faults, ~20 ms per step on the seed
-        model (BENCHMARKS.md). CUDA tensors come from torch's caching allocator already."""
-        numpy_dtype = _TORCH_TO_NUMPY.get(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self.ort_device != "cpu" or numpy_dtype is None or nbytes < _POOLED_OUTPUT_BYTES:
-            return torch.empty(shape, dtype=dtype, device=self.torch_device)
-        block = self._free_outputs.pop(nbytes, None)
-        if block is None:
-            block = np.empty(nbytes, np.uint8)
-        array = block.view(numpy_dtype).reshape(shape)
-        weakref.finalize(array, _recycle, self._free_outputs, block).atexit = False
-        return torch.from_numpy(array)
-
-    def release_cached_memory(self):
-        """Returns what the shared CPU arena and the heap hold but no tensor uses to the OS.
-
-        Called around a session's first run. ORT allocates that run tensor by tensor (its memory
-        pattern is recorded then), later runs take one planned block: the arena would otherwise
-        keep both for the life of the process, and a new session's first run would grow it on
-        top of another session's free block (BENCHMARKS.md). Costs one regrowth (page faults)
-        per new session."""
-        if self.ort_device == "cpu":
-            session, run_options = _arena_shrinker()
-            session.run(None, {"x": np.zeros(1, np.float32)}, run_options)
-            _release_freed_heap()
 
     def bind(self, binding, name, is_output, dtype, shape, pointer):
         bind = binding.bind_output if is_output else binding.bind_input
         bind(name, self.ort_device, self.index, dtype, list(shape), pointer)
-
-
-_POOLED_OUTPUT_BYTES = 1 << 20
-# One free block per size, for the two sizes dropped last (training and eval outputs, or the
-# short last batch): a loop that holds the last step's outputs while the next step runs needs
-# one; more sizes (variable-length batches) would hold memory no step asks for.
-_MAX_FREE_OUTPUT_SIZES = 2
-
-
-def _recycle(free, block):
-    """Called when the caller has dropped the last tensor viewing `block`. Each step is one
-    atomic dict operation: finalizers may run in any thread."""
-    free[block.nbytes] = block
-    free.move_to_end(block.nbytes)
-    while len(free) > _MAX_FREE_OUTPUT_SIZES:
-        try:
-            free.popitem(last=False)
-        except KeyError:  # emptied meanwhile by another thread
-            break
-
-
-@functools.cache
-def _register_shared_cpu_arena():
-    """One CPU arena for all our sessions (train and eval, every shape) instead of one each:
-    each arena keeps its own peak for the life of its session (BENCHMARKS.md). Sessions opt in
-    with session.use_env_allocators, so other ONNX Runtime users in the process are unaffected."""
-    memory = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
-                                       onnxruntime.OrtMemType.DEFAULT)
-    onnxruntime.create_and_register_allocator(memory, None)
-
-
-@functools.cache
-def _arena_shrinker():
-    """A one-node session on the shared arena: ORT shrinks an arena only at the end of a run."""
-    _register_shared_cpu_arena()
-    options = builder_session_options()
-    options.intra_op_num_threads = 1
-    options.add_session_config_entry("session.use_env_allocators", "1")
-    value = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
-    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "shrink", [value],
-                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=7)
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    run_options = onnxruntime.RunOptions()
-    run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-    return session, run_options
-
-
-def _release_freed_heap():
-    """Hands freed heap back to the OS (glibc keeps it: export and graph building leave ~50 MiB
-    on the seed model, ORT's kernels ~50 MiB more). A no-op where malloc_trim is missing."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class CompiledGraph:
@@ -213,7 +116,7 @@ class CompiledGraph:
                     self._placement.bind(binding, name, False, array.dtype, array.shape, _pointer(array))
             for name, tensor in self._frozen.items():
                 if name in graph_inputs:
-                    self._placement.bind(binding, name, False, _TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
+                    self._placement.bind(binding, name, False, TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
                                          tensor.data_ptr())
             outputs = {o.name: o for o in session.get_outputs()}
             specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], outputs[name].shape) for name in self._output_names]
@@ -237,23 +140,23 @@ class CompiledGraph:
         """
         first_run = training not in self._sessions
         if first_run:  # build and run on the memory in use, not on another session's free block
-            self._placement.release_cached_memory()
+            self._placement.memory.release_cached_memory()
         session, binding, graph_inputs, specs = self._session(training)
         if training:
             self._bind_gradients(binding, grads)
         for name in self._input_names:
             tensor = inputs[name]
             if name in graph_inputs:
-                self._placement.bind(binding, name, False, _TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
+                self._placement.bind(binding, name, False, TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
                                      tensor.data_ptr())
         outputs = []
         for name, (dtype, shape) in zip(self._output_names, specs):
-            tensor = self._placement.output_tensor(shape, dtype)
-            self._placement.bind(binding, name, True, _TORCH_TO_NUMPY[dtype], shape, tensor.data_ptr())
+            tensor = self._placement.memory.output_tensor(shape, dtype)
+            self._placement.bind(binding, name, True, TORCH_TO_NUMPY[dtype], shape, tensor.data_ptr())
             outputs.append(tensor)
         session.run_with_iobinding(binding, self._placement.run_options)
         if first_run:  # ORT allocated this run tensor by tensor; later runs take one planned block
-            self._placement.release_cached_memory()
+            self._placement.memory.release_cached_memory()
         return outputs
 
 

@@ -8,7 +8,7 @@ import onnxruntime
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, _session, optim
+from ort_trainer import ORTTrainer, _memory, optim
 from ort_trainer._session import Placement
 
 from . import models
@@ -39,14 +39,14 @@ def test_release_cached_memory_hands_the_arena_back():
                                            placement.session_options(), providers=placement.providers)
     assert session.run(None, {"x": np.ones(1, np.float32)})[0] == 96 * MIB // 4
     held = _anon_mib()
-    placement.release_cached_memory()
+    placement.memory.release_cached_memory()
     assert held - _anon_mib() >= 80, (held, _anon_mib())
 
 
 def test_each_session_releases_cached_memory_around_its_first_run_only(monkeypatch):
     trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
     released = []
-    monkeypatch.setattr(trainer._placement, "release_cached_memory", lambda: released.append(True))
+    monkeypatch.setattr(trainer._placement.memory, "release_cached_memory", lambda: released.append(True))
     for step in range(3):
         trainer.train_step(*models.mlp_batch(step))
     assert len(released) == 2
@@ -60,7 +60,7 @@ def test_each_session_releases_cached_memory_around_its_first_run_only(monkeypat
 @pytest.fixture
 def pooled_trainer(monkeypatch):
     """An MLP trainer whose [rows, 5] logits are pooled, not its loss (threshold lowered)."""
-    monkeypatch.setattr(_session, "_POOLED_OUTPUT_BYTES", 16)
+    monkeypatch.setattr(_memory, "POOLED_OUTPUT_BYTES", 16)
     return ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
 
 
@@ -96,7 +96,7 @@ def test_the_pool_keeps_one_free_output_of_each_of_the_last_two_sizes(pooled_tra
     another = pooled_trainer.eval_step(*models.mlp_batch(1))[1]
     del outputs[8], another  # two of one size: one kept
     del outputs[3], outputs[2]  # a third size: the oldest goes
-    free = pooled_trainer._placement._free_outputs
+    free = pooled_trainer._placement.memory.free_outputs
     assert list(free) == [3 * 5 * 4, 2 * 5 * 4]
     address = free[2 * 5 * 4].ctypes.data
     assert pooled_trainer.eval_step(*models.mlp_batch(0, batch=2))[1].data_ptr() == address
