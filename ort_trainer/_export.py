@@ -12,6 +12,7 @@ import torch
 
 from ._binding import BindingError, select_outputs, training_flags_kept
 from ._graph import parameters_as_inputs
+from ._hf_compat import export_patches
 from ._symbolics import register_symbolics
 
 # The wrapper below holds the user's model under this attribute, so exported initializer names
@@ -125,9 +126,10 @@ def eval_graph_differs(graph, model, loss_fn, binding, values, output_names, fet
 
 
 def _export(module, args, buffer, **kwargs):
-    """torch.onnx.export (TorchScript) with our symbolics, every train/eval flag kept."""
+    """torch.onnx.export (TorchScript) with our symbolics and the Hugging Face patches, every
+    train/eval flag kept."""
     register_symbolics()
-    with training_flags_kept(module), warnings.catch_warnings():
+    with training_flags_kept(module), export_patches(module), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, tuple(args), buffer, dynamo=False, do_constant_folding=False,
                           export_params=True, **kwargs)
