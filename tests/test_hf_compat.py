@@ -1,5 +1,6 @@
 """Hugging Face models export with a padded attention_mask under `_hf_compat.export_patches`,
 with the same mask values and training numerics as eager torch."""
+import inspect
 import io
 import subprocess
 import sys
