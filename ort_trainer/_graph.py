@@ -1,6 +1,8 @@
 """Turn the exported forward+loss model into ONNX Runtime's training and eval graphs."""
 import copy
+import re
 
+import numpy as np
 import onnx
 from onnxruntime import SessionOptions
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
@@ -79,11 +81,15 @@ def _attributes(node):
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
+def _onnx_opset(model):
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
 def _int64(name, value):
-    """A Constant node: an int64 scalar, or a 1-D tensor for a list."""
+    """A Constant node (named as its output): an int64 scalar, or a 1-D tensor for a list."""
     values = value if isinstance(value, list) else [value]
     dims = [len(values)] if isinstance(value, list) else []
-    return onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(
+    return onnx.helper.make_node("Constant", [], [name], name=name, value=onnx.helper.make_tensor(
         name, onnx.TensorProto.INT64, dims, values))
 
 
@@ -122,7 +128,7 @@ def fast_softmax_cross_entropy(model):
     Run on the built training graph (the builder must see the original node to emit
     SoftmaxCrossEntropyLossGrad) and on the eval graph. Returns the number of nodes replaced.
     """
-    if next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0) < 13:
+    if _onnx_opset(model) < 13:
         return 0
     graph, make = model.graph, onnx.helper.make_node
     types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
@@ -189,7 +195,7 @@ def fast_gather_grad(model):
     then dY[k] added to row indices[k] (negative indices counted from the end). Returns the
     number of nodes replaced.
     """
-    if next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0) < 13:
+    if _onnx_opset(model) < 13:
         return 0
     make, nodes, replaced = onnx.helper.make_node, [], 0
     for node in model.graph.node:
@@ -208,6 +214,279 @@ def fast_gather_grad(model):
     return replaced
 
 
+class MissingGradientError(NotImplementedError):
+    """ONNX Runtime has no gradient for an op between the trainable parameters and the loss.
+
+    Raised when the training graph is built (the first step at a new shape). A NotImplementedError:
+    the model is valid, ONNX Runtime lacks that op's gradient. `op_type`, `nodes` (the ONNX node
+    names) and `modules` (the torch module of each node, see torch_module) say where.
+    """
+
+    def __init__(self, op_type, nodes, reason=None):
+        self.op_type, self.nodes = op_type, list(nodes)
+        self.modules = [torch_module(node) for node in self.nodes]
+        where = ", ".join(f"{_describe_module(module)} (ONNX node {node or '<unnamed>'})"
+                          for node, module in zip(self.nodes, self.modules))
+        where = where or "the model (ONNX Runtime did not say where)"
+        said = f" ({reason.rstrip('.')})" if reason else ""
+        super().__init__(
+            f"ONNX Runtime has no gradient for {op_type}{said}, used by {where} between the trainable "
+            "parameters and the loss. Compute that part outside the trained graph (e.g. in the data pipeline), "
+            "freeze the parameters that feed it, or write it with ops that have gradients; if you need it as "
+            "it is, report it to the ort-trainer maintainers with this message.")
+
+
+def torch_module(node_name):
+    """The torch module an exported node came from: its qualified name ('' for the model's own
+    forward()), or None for nodes outside the model (loss_fn) or without a name.
+
+    The exporter names nodes after the module scopes, each scope the module's name in its parent
+    container: '/model/backbone/layers/layers.0/norm/InstanceNormalization' is module
+    'backbone.layers.0.norm' ('model' is the attribute that holds the user's model in the
+    exported wrapper). A ModuleDict's entries appear under their key alone, and a module's later
+    calls as '<name>_1', '<name>_2', ... (indistinguishable from modules so named).
+    """
+    scopes = node_name.strip("/").split("/")[:-1]
+    if not scopes or scopes[0] != "model":
+        return None
+    path = []
+    for scope in scopes[1:]:
+        if path and scope.startswith(path[-1] + "."):  # a Sequential's child: 'layers' then 'layers.0'
+            path[-1] = scope
+        else:
+            path.append(scope)
+    return ".".join(path)
+
+
+def _describe_module(module):
+    if module is None:
+        return "loss_fn (outside the model)"
+    if not module:
+        return "the model's own forward()"
+    first_call = re.sub(r"_\d+(?=\.|$)", "", module)
+    if first_call != module:  # the exporter suffixes a module's later calls: 'pad', 'pad_1', ...
+        return f"module {module!r} or a repeated call of module {first_call!r}"
+    return f"module {module!r}"
+
+
+_NOT_REGISTERED = re.compile(r"The gradient builder has not been registered: (\w+) for node (\S*)")
+_UNSUPPORTED_CASE = re.compile(r"Get(\w+)Gradient::GetGradientDefsImpl\(\) const (.+)")
+
+
+def _missing_gradient(message, model, trainable, loss_name):
+    """The MissingGradientError for a gradient builder failure `message`, or None for other failures.
+
+    ORT names the node when the op has no gradient at all; when only some of its cases lack one
+    (Pad other than constant mode, Pow's exponent) it names the op alone, so every node of that
+    type on a path from a trainable parameter to the loss is named.
+    """
+    found = _NOT_REGISTERED.search(message)
+    if found:
+        return MissingGradientError(found.group(1), [found.group(2)])
+    found = _UNSUPPORTED_CASE.search(message)
+    if not found:
+        return None
+    op_type = found.group(1)
+    from_parameters = _computed_from(model, trainable)
+    into_loss = _needed_for(model, loss_name)
+    nodes = [node.name for node in model.graph.node if node.op_type == op_type
+             and from_parameters.intersection(node.input) and into_loss.intersection(node.output)]
+    return MissingGradientError(op_type, nodes, found.group(2).strip())
+
+
+def _computed_from(model, sources):
+    """Names of the tensors computed (transitively) from `sources`, those included."""
+    reached = set(sources)
+    for node in model.graph.node:  # topologically sorted
+        if reached.intersection(node.input):
+            reached.update(node.output)
+    return reached
+
+
+def _needed_for(model, target):
+    """Names of the tensors `target` is computed from, itself included."""
+    needed = {target}
+    for node in reversed(model.graph.node):
+        if needed.intersection(node.output):
+            needed.update(node.input)
+    return needed
+
+
+def _inferred_tensors(model):
+    """{tensor name: (element type, dims)} by ONNX shape inference; a dim is its size, its symbolic
+    name, or None when unknown."""
+    graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+    tensors = {}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        tensor_type = value.type.tensor_type
+        dims = (tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in tensor_type.shape.dim)
+                if tensor_type.HasField("shape") else None)
+        tensors[value.name] = (tensor_type.elem_type, dims)
+    return tensors
+
+
+def _same_known_shape(dims, other):
+    return dims is not None and dims == other and None not in dims
+
+
+def _reduce_mean(name, data, axes, opset):
+    """Nodes of ReduceMean(keepdims=1) over `axes` into `name` (axes became an input in opset 18)."""
+    make = onnx.helper.make_node
+    if opset < 18:
+        return [make("ReduceMean", [data], [name], name=name, axes=axes, keepdims=1)]
+    return [_int64(name + "_axes", axes), make("ReduceMean", [data, name + "_axes"], [name], name=name, keepdims=1)]
+
+
+def decompose_instance_normalization(model):
+    """Rewrites every InstanceNormalization into ops that have gradients, in place.
+
+    Why: ONNX Runtime 1.19 has no InstanceNormalization gradient, and the TorchScript exporter
+    emits one for GroupNorm and the InstanceNorm*d modules. Same math as the op: per sample and
+    channel, (x - mean) / sqrt(biased variance + epsilon) * scale[c] + bias[c], computed on x
+    viewed as [N, C, -1] so that any rank works without knowing it. New nodes and tensors are
+    named under the original node's name. Returns the number of nodes rewritten.
+    """
+    make, opset = onnx.helper.make_node, _onnx_opset(model)
+    nodes, rewritten, tensors = [], 0, None
+    for node in model.graph.node:
+        if node.op_type != "InstanceNormalization" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        if tensors is None:
+            tensors = _inferred_tensors(model)
+        x, scale, bias = node.input
+        element_type = tensors.get(x, (onnx.TensorProto.FLOAT,))[0] or onnx.TensorProto.FLOAT
+        epsilon = np.array(_attributes(node).get("epsilon", 1e-5), onnx.helper.tensor_dtype_to_np_dtype(element_type))
+        p = f"{node.name or node.output[0]}/"
+        nodes += [_int64(p + "grouped_shape", [0, 0, -1]),
+                  make("Reshape", [x, p + "grouped_shape"], [p + "grouped"], name=p + "grouped"),
+                  *_reduce_mean(p + "mean", p + "grouped", [2], opset),
+                  make("Sub", [p + "grouped", p + "mean"], [p + "centered"], name=p + "centered"),
+                  make("Mul", [p + "centered", p + "centered"], [p + "squared"], name=p + "squared"),
+                  *_reduce_mean(p + "variance", p + "squared", [2], opset),
+                  make("Constant", [], [p + "epsilon"], name=p + "epsilon",
+                       value=onnx.numpy_helper.from_array(epsilon, p + "epsilon")),
+                  make("Add", [p + "variance", p + "epsilon"], [p + "variance_epsilon"], name=p + "variance_epsilon"),
+                  make("Sqrt", [p + "variance_epsilon"], [p + "deviation"], name=p + "deviation"),
+                  make("Div", [p + "centered", p + "deviation"], [p + "normalized"], name=p + "normalized"),
+                  _int64(p + "channel_shape", [-1, 1]),
+                  make("Reshape", [scale, p + "channel_shape"], [p + "channel_scale"], name=p + "channel_scale"),
+                  make("Reshape", [bias, p + "channel_shape"], [p + "channel_bias"], name=p + "channel_bias"),
+                  make("Mul", [p + "normalized", p + "channel_scale"], [p + "scaled"], name=p + "scaled"),
+                  make("Add", [p + "scaled", p + "channel_bias"], [p + "shifted"], name=p + "shifted"),
+                  make("Shape", [x], [p + "input_shape"], name=p + "input_shape"),
+                  make("Reshape", [p + "shifted", p + "input_shape"], list(node.output), name=p + "output")]
+        rewritten += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return rewritten
+
+
+# Inputs whose ONNX Runtime 1.19 gradient is the output-shaped one, not summed over the axes the
+# input was broadcast along: a broadcast input gets a gradient of the wrong shape.
+_GRADIENT_NOT_SUMMED_OVER_BROADCAST = {"Where": (1, 2), "Pow": (0,)}
+
+
+def expand_broadcast_inputs(model, trainable):
+    """Expands the inputs of _GRADIENT_NOT_SUMMED_OVER_BROADCAST that are computed from trainable
+    parameters and broadcast by their node, to the node's output shape, in place.
+
+    Why: a broadcast input there (a [1, H, 1, K] position bias chosen by a Where into [B, H, Q, K]
+    scores; a [1, C] base raised to [N, C] exponents) would get a gradient of the wrong shape;
+    Expand's gradient sums the broadcast axes. Inputs whose shape is known to equal the output's
+    are left alone (no copy), as are inputs without a gradient. Returns the number expanded.
+    """
+    make, nodes, expanded, tensors = onnx.helper.make_node, [], 0, None
+    from_parameters = _computed_from(model, trainable)
+    for node in model.graph.node:
+        indices = _GRADIENT_NOT_SUMMED_OVER_BROADCAST.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+        for index in indices:
+            data = node.input[index]
+            if data not in from_parameters:
+                continue
+            if tensors is None:
+                tensors = _inferred_tensors(model)
+            output_dims = tensors.get(node.output[0], (None, None))[1]
+            if _same_known_shape(tensors.get(data, (None, None))[1], output_dims):
+                continue
+            p = f"{node.name or node.output[0]}/expanded_input{index}/"
+            if output_dims is not None and all(isinstance(dim, int) for dim in output_dims):
+                nodes += [_int64(p + "shape", list(output_dims)),
+                          make("Expand", [data, p + "shape"], [p + "expanded"], name=p + "expanded")]
+                data = p + "expanded"
+            else:  # Expand broadcasts both ways: by each other input's shape in turn
+                for other in (i for i in range(len(node.input)) if i != index):
+                    nodes += [make("Shape", [node.input[other]], [p + f"shape{other}"], name=p + f"shape{other}"),
+                              make("Expand", [data, p + f"shape{other}"], [p + f"by{other}"], name=p + f"by{other}")]
+                    data = p + f"by{other}"
+            node.input[index] = data
+            expanded += 1
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return expanded
+
+
+def _gradient_graph(model, trainable, loss_name, options):
+    """ORT's training graph of `model` (gradients of `loss_name` for `trainable`), as an ONNX model.
+
+    Raises MissingGradientError when an op on the way lacks a gradient, chained to ORT's error.
+    """
+    optimized = get_optimized_model(model.SerializeToString(), set(trainable), options)
+    try:
+        builder = GradientGraphBuilder(optimized, {loss_name}, set(trainable), loss_name, options)
+        builder.build()
+    except RuntimeError as error:
+        missing = _missing_gradient(str(error), model, trainable, loss_name)
+        if missing is None:
+            raise
+        raise missing from error
+    return onnx.load_from_string(builder.get_model())
+
+
+def inference_batch_norm_as_primitives(model):
+    """Rewrites inference-mode BatchNormalization into Mul/Add over per-channel constants, in place.
+
+    Why: ORT's gradient builder turns every BatchNormalization into its training kernel
+    (BatchNormInternal, batch statistics), so a BatchNorm the user put in eval mode would train
+    on batch statistics. Same math as the node: with a = scale / sqrt(var + epsilon) and
+    b = bias - mean * a (both [C], reshaped to [C, 1, ...] for X's rank), Y = X * a + b.
+    Returns the number of nodes replaced.
+    """
+    make, nodes, replaced = onnx.helper.make_node, [], 0
+    for node in model.graph.node:
+        attributes = _attributes(node)
+        if (node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx")
+                or attributes.get("training_mode", 0)):
+            nodes.append(node)
+            continue
+        x, scale, bias, mean, var = node.input
+        p = f"{node.output[0]}/inference_batch_norm/"
+        epsilon = onnx.helper.make_tensor(p + "epsilon", onnx.TensorProto.FLOAT, [], [attributes.get("epsilon", 1e-5)])
+        nodes += [make("Constant", [], [p + "epsilon"], value=epsilon),
+                  make("Add", [var, p + "epsilon"], [p + "var_eps"]),
+                  make("Sqrt", [p + "var_eps"], [p + "std"]),
+                  make("Div", [scale, p + "std"], [p + "a"]),
+                  make("Mul", [mean, p + "a"], [p + "mean_a"]),
+                  make("Sub", [bias, p + "mean_a"], [p + "b"]),
+                  # [C] -> [C, 1, ..., 1]: -1, then a 1 for each of X's dims after the channel
+                  make("Shape", [x], [p + "x_shape"]),
+                  _int64(p + "two", [2]), _int64(p + "end", [2**62]), _int64(p + "zero", 0), _int64(p + "one", 1),
+                  _int64(p + "channels", [-1]),
+                  make("Slice", [p + "x_shape", p + "two", p + "end"], [p + "spatial"]),
+                  make("Mul", [p + "spatial", p + "zero"], [p + "spatial_zeros"]),
+                  make("Add", [p + "spatial_zeros", p + "one"], [p + "spatial_ones"]),
+                  make("Concat", [p + "channels", p + "spatial_ones"], [p + "param_shape"], axis=0),
+                  make("Reshape", [p + "a", p + "param_shape"], [p + "a_nd"]),
+                  make("Reshape", [p + "b", p + "param_shape"], [p + "b_nd"]),
+                  make("Mul", [x, p + "a_nd"], [p + "scaled"]),
+                  make("Add", [p + "scaled", p + "b_nd"], [node.output[0]])]
+        replaced += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return replaced
+
+
 def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False, for_cpu=True):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
@@ -218,20 +497,21 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     neither materializes nor keeps them. `model` (the exported forward) is consumed: modified in
     place. `for_cpu`: replace ORT's single-threaded CPU kernels of the loss and the embedding
     gradient (the CUDA provider keeps ORT's own: fewer launches, and its GatherGrad is
-    deterministic where GatherNDGrad adds with atomics).
+    deterministic where GatherNDGrad adds with atomics). Before the gradient is built, the
+    training graph's inference-mode BatchNormalization, InstanceNormalization and broadcast
+    Where/Pow inputs are rewritten into ops whose ORT gradients exist and are right; an op
+    without a gradient raises MissingGradientError.
     """
     parameters_as_inputs(model, set(trainable) | set(frozen))  # first: no copy below holds weights
     add_second_outputs(model)
     eval_model = copy.deepcopy(model)
     _disable_training_mode(eval_model)
+    inference_batch_norm_as_primitives(model)
+    decompose_instance_normalization(model)
+    expand_broadcast_inputs(model, trainable)
     if loss_scaling:
         loss_name = _scale_loss(model, loss_name)
-
-    options = builder_session_options()
-    optimized = get_optimized_model(model.SerializeToString(), set(trainable), options)
-    builder = GradientGraphBuilder(optimized, {loss_name}, set(trainable), loss_name, options)
-    builder.build()
-    training = onnx.load_from_string(builder.get_model())
+    training = _gradient_graph(model, trainable, loss_name, builder_session_options())
     if for_cpu:
         fast_softmax_cross_entropy(training)
         fast_gather_grad(training)

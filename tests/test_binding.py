@@ -406,3 +406,19 @@ def test_checks_and_exports_leave_every_flag_as_it_was(tmp_path):
         trainer.train_step(*_batch(0))
     trainer.export_onnx(tmp_path / "model.onnx")
     assert [module.training for module in model.modules()] == [True, False, False, False, False, False, True]
+
+
+def test_a_convolutional_batchnorm_in_eval_mode_trains_on_its_running_statistics():
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 2.0)
+    model[1].eval()
+    desc = {"inputs": [("x", ["batch", 2, 6, 6]), ("y", ["batch", 3])], "outputs": LOSS_ONLY}
+
+    def batch(step):
+        generator = torch.Generator().manual_seed(700 + step)
+        return torch.randn(5, 2, 6, 6, generator=generator), torch.randn(5, 3, generator=generator)
+    _assert_trains_like_torch(model, desc, lambda m, s: _mse(m(batch(s)[0]), batch(s)[1]),
+                              lambda t, s: t.train_step(*batch(s)), loss_fn=_mse)

@@ -135,15 +135,8 @@ def test_exported_mask_equals_eager_mask(kind, attn_implementation):
     np.testing.assert_array_equal(exported, expected.numpy())
 
 
-# Left padding leaves the first query rows with no key to attend to. torch's sdpa outputs 0 there;
-# the exporter's sdpa symbolic gets NaN from Softmax and replaces it by 0 (Where(IsNaN)), which
-# is right forward but ORT's SoftmaxGrad still multiplies by that NaN: every gradient turns NaN.
-SDPA_LEFT_PADDING = pytest.mark.xfail(strict=True, reason="torch.onnx sdpa symbolic: NaN gradient for fully "
-                                      "masked query rows (needs a NaN-free symbolic in _symbolics.py)")
-
-
 @pytest.mark.parametrize("attn_implementation, left_padding", [
-    ("sdpa", False), ("eager", True), pytest.param("sdpa", True, marks=SDPA_LEFT_PADDING)])
+    ("sdpa", False), ("eager", True), ("sdpa", True)])
 def test_gpt2_with_padding_trains_like_torch(attn_implementation, left_padding):
     steps = 10
     batches = [padded_batch(step, left_padding=left_padding) for step in range(steps - 3)]

@@ -89,7 +89,7 @@ def _train_in_step(family, masked):
     return trainer
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "t5", "bart"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "roberta", "distilbert", "t5", "bart"])
 def test_family_with_attention_mask_trains_like_torch(family):
     _train_in_step(family, masked=True)
 

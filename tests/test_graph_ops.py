@@ -1,0 +1,416 @@
+"""Ops whose ONNX Runtime 1.19 gradient is missing or wrong, and aten ops the exporter lacks.
+
+InstanceNormalization (GroupNorm, InstanceNorm*d) and broadcast Where/Pow inputs are rewritten
+before the gradient is built, so those models train like torch; other ops without a gradient raise
+MissingGradientError naming the op and the module; torch.diff and integer torch.cumsum export
+through our symbolics.
+"""
+import io
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+import torch.nn as nn
+from torch.onnx.errors import SymbolicValueError
+
+from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer._graph import (MissingGradientError, build_graphs, decompose_instance_normalization,
+                                expand_broadcast_inputs, torch_module)
+from ort_trainer._symbolics import register_symbolics
+
+from . import models
+
+STEPS = 10
+LR = 0.1
+
+
+def mse(output, y):
+    return ((output - y) ** 2).mean()
+
+
+def trainer_for(model, desc, loss_fn=mse):
+    return ORTTrainer(model, desc, optim.SGDConfig(lr=LR), loss_fn=loss_fn,
+                      options=ORTTrainerOptions({"utils": {"grad_norm_clip": False}}))
+
+
+def assert_trains_like_torch(model, desc, batches, loss_fn=mse):
+    """STEPS of SGD through the trainer and in eager torch: same losses, same final parameters."""
+    expected_losses, expected_params = models.torch_loop(model, loss_fn, batches, lambda p: torch.optim.SGD(p, lr=LR))
+    trainer = trainer_for(model, desc, loss_fn)
+    for step, batch in enumerate(batches):
+        loss = trainer.train_step(*batch)[0].item()
+        assert abs(loss - expected_losses[step]) <= 1e-4 * abs(expected_losses[step]), (step, loss)
+    for name, parameter in trainer.model.named_parameters():
+        expected = expected_params[name]
+        error = ((parameter.detach() - expected).abs().max() / expected.abs().max()).item()
+        assert error <= 1e-4, (name, error)
+
+
+def batches(*shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(*shape, generator=generator) for shape in shapes) for _ in range(STEPS)]
+
+
+def export(model, inputs, input_names, dynamic_axes=None, opset=14):
+    """model + mse loss as the trainer exports it (the model under attribute `model`, parameters
+    named model.<name>); returns the ONNX model and the trainable parameter names."""
+
+    class Traced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *tensors):
+            output = self.model(*tensors[:-1])
+            return mse(output, tensors[-1]), output
+
+    register_symbolics()
+    buffer = io.BytesIO()
+    torch.onnx.export(Traced(), tuple(inputs), buffer, dynamo=False, input_names=input_names,
+                      output_names=["loss", "output"], dynamic_axes=dynamic_axes, opset_version=opset,
+                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    return onnx.load_from_string(buffer.getvalue()), [f"model.{name}" for name, _ in model.named_parameters()]
+
+
+# ---------------------------------------------------------------- InstanceNormalization
+class ConvNorm(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = norm
+        self.head = nn.Linear(4 * 5 * 5, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x)).flatten(1))
+
+
+CONV_DESC = {"inputs": [("x", ["batch", 3, 5, 5]), ("y", ["batch", 2])],
+             "outputs": [("loss", [], True), ("output", ["batch", 2])]}
+
+
+@pytest.mark.parametrize("norm", [lambda: nn.GroupNorm(2, 4), lambda: nn.InstanceNorm2d(4, affine=True),
+                                  lambda: nn.InstanceNorm2d(4)], ids=["group_norm", "instance_norm", "no_affine"])
+def test_instance_normalization_trains_like_torch(norm):
+    assert_trains_like_torch(ConvNorm(norm()), CONV_DESC, batches((3, 3, 5, 5), (3, 2)))
+
+
+def _instance_norm_model(opset, epsilon):
+    attributes = {} if epsilon is None else {"epsilon": epsilon}
+    node = onnx.helper.make_node("InstanceNormalization", ["x", "scale", "bias"], ["y"], name="/model/norm/Norm",
+                                 **attributes)
+    graph = onnx.helper.make_graph(
+        [node], "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4, 5]),
+                      onnx.helper.make_tensor_value_info("scale", onnx.TensorProto.FLOAT, [3]),
+                      onnx.helper.make_tensor_value_info("bias", onnx.TensorProto.FLOAT, [3])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)], ir_version=8)
+
+
+@pytest.mark.parametrize("opset, epsilon", [(14, None), (14, 0.5), (18, 1e-3)])
+def test_instance_normalization_rewrite_computes_the_op(opset, epsilon):
+    """Same output as ONNX Runtime's InstanceNormalization (epsilon default 1e-5; ReduceMean's axes
+    an input from opset 18); every new node is named under the original node's name."""
+    generator = np.random.default_rng(0)
+    feeds = {"x": generator.standard_normal((2, 3, 4, 5), np.float32) * 3 + 1,
+             "scale": generator.standard_normal(3, np.float32), "bias": generator.standard_normal(3, np.float32)}
+    original = _instance_norm_model(opset, epsilon)
+    rewritten = _instance_norm_model(opset, epsilon)
+    assert decompose_instance_normalization(rewritten) == 1
+    assert {node.op_type for node in rewritten.graph.node} & {"InstanceNormalization"} == set()
+    assert all(node.name.startswith("/model/norm/Norm/") for node in rewritten.graph.node)
+    expected, ours = (onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+                      .run(None, feeds)[0] for model in (original, rewritten))
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- broadcast Where / Pow inputs
+class BroadcastWhere(nn.Module):
+    """A [1, H, 1, K] parameter-dependent bias chosen by torch.where against [B, H, Q, K] scores."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bias = nn.Parameter(torch.randn(1, 2, 1, 4))
+        self.scores = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.where(x > 0, self.bias * 2, self.scores(x)).sum(-1)
+
+
+class BroadcastPow(nn.Module):
+    """A [1, H, 1, K] parameter-dependent base raised to [B, H, Q, K] exponents."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Parameter(torch.rand(1, 2, 1, 4) + 0.5)
+
+    def forward(self, x):
+        return (self.base ** x).sum(-1)
+
+
+BROADCAST_DESC = {"inputs": [("x", ["batch", 2, 3, 4]), ("y", ["batch", 2, 3])],
+                  "outputs": [("loss", [], True), ("output", ["batch", 2, 3])]}
+
+
+@pytest.mark.parametrize("model", [BroadcastWhere, BroadcastPow], ids=["where", "pow"])
+def test_broadcast_input_trains_like_torch(model):
+    assert_trains_like_torch(model(), BROADCAST_DESC, batches((3, 2, 3, 4), (3, 2, 3)))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_shapes", "symbolic_shapes"])
+@pytest.mark.parametrize("model, broadcast_input, other_inputs", [(BroadcastWhere, 1, 2), (BroadcastPow, 0, 1)],
+                         ids=["where", "pow"])
+def test_only_broadcast_parameter_inputs_are_expanded(model, broadcast_input, other_inputs, dynamic):
+    """The broadcast input is expanded (to the output's known shape, else by the other inputs'
+    shapes in turn); Where's full-shape scores are not: no copy. Gradients are torch's."""
+    model, x, y = model(), torch.randn(3, 2, 3, 4), torch.randn(3, 2, 3)
+    axes = {"x": {0: "batch"}, "y": {0: "batch"}} if dynamic else None
+    exported, names = export(model, [x, y], ["x", "y"], axes)
+    assert expand_broadcast_inputs(exported, names) == 1
+    expands = [node for node in exported.graph.node if node.op_type == "Expand"]
+    assert len(expands) == (other_inputs if dynamic else 1)
+    assert all(f"/expanded_input{broadcast_input}/" in node.name for node in expands)
+
+    exported, names = export(model, [x, y], ["x", "y"], axes)
+    training, _ = build_graphs(exported, names, [], ["loss"], "loss")
+    session = onnxruntime.InferenceSession(training, providers=["CPUExecutionProvider"])
+    feeds = {"x": x.numpy(), "y": y.numpy(), **{f"model.{n}": p.detach().numpy() for n, p in model.named_parameters()}}
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    mse(model(x), y).backward()
+    for name, parameter in model.named_parameters():
+        np.testing.assert_allclose(outputs[f"model.{name}_grad"], parameter.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- ops without a gradient
+class Scan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cumsum(self.linear(x), dim=1)
+
+
+class Nested(nn.Module):
+    def __init__(self, last):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), last)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class ScanBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scan = Scan()
+
+    def forward(self, x):
+        return self.scan(x)
+
+
+VECTOR_DESC = {"inputs": [("x", ["batch", 4]), ("y", ["batch", 4])],
+               "outputs": [("loss", [], True), ("output", ["batch", 4])]}
+
+
+def test_op_without_gradient_names_op_and_module():
+    trainer = trainer_for(Nested(ScanBlock()), VECTOR_DESC)
+    with pytest.raises(MissingGradientError, match=(
+            r"^ONNX Runtime has no gradient for CumSum, used by module 'body\.1\.scan' \(ONNX node "
+            r"/model/body/body\.1/scan/CumSum\) between the trainable parameters and the loss\. Compute that "
+            r"part outside the trained graph \(e\.g\. in the data pipeline\), freeze the parameters that feed "
+            r"it, or write it with ops that have gradients; if you need it as it is, report it to the "
+            r"ort-trainer maintainers with this message\.$")) as raised:
+        trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
+    assert isinstance(raised.value, NotImplementedError)
+    assert isinstance(raised.value.__cause__, RuntimeError)  # ORT's own message, chained
+    assert (raised.value.op_type, raised.value.modules) == ("CumSum", ["body.1.scan"])
+
+
+def test_op_without_gradient_off_the_parameters_path_trains():
+    """A cumsum of the inputs alone needs no gradient."""
+
+    class CumulativeFeatures(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(torch.cumsum(x, dim=1))
+
+    torch.manual_seed(0)
+    assert_trains_like_torch(CumulativeFeatures(), VECTOR_DESC, batches((2, 4), (2, 4)))
+
+
+def test_unsupported_case_of_an_op_names_its_nodes_on_the_gradient_path():
+    """ORT names no node when only a case lacks a gradient (Pad in reflect mode): every Pad
+    between the parameters and the loss is named; the one on the inputs alone is not. The
+    module's second call is scoped 'pad_1' by the exporter."""
+
+    class Padded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.pad = nn.ReflectionPad1d(1)
+
+        def forward(self, x):
+            return self.pad(self.linear(self.pad(x)[:, 1:-1].unsqueeze(1)))[:, 0, 1:-1]
+
+    trainer = trainer_for(Padded(), VECTOR_DESC)
+    with pytest.raises(MissingGradientError, match=(
+            r"^ONNX Runtime has no gradient for Pad \(Pad gradient currently supports constant mode only\), "
+            r"used by module 'pad_1' or a repeated call of module 'pad' \(ONNX node /model/pad_1/Pad\) between"
+    )) as raised:
+        trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
+    assert raised.value.nodes == ["/model/pad_1/Pad"]
+
+
+@pytest.mark.parametrize("node, module", [
+    ("/model/backbone/norm/InstanceNormalization", "backbone.norm"),
+    ("/model/model/layers/layers.0/mlp/Gemm", "model.layers.0.mlp"),
+    ("/model/blocks.1/CumSum", "blocks.1"),
+    ("/model/CumSum", ""),
+    ("/loss_fn/CumSum", None),
+    ("/CumSum", None),
+    ("", None),
+])
+def test_torch_module_of_an_exported_node(node, module):
+    assert torch_module(node) == module
+
+
+class CumulativeOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cumsum(self.linear(x), dim=1)
+
+
+@pytest.mark.parametrize("model, loss_fn, where", [
+    (CumulativeOutput, mse, r"the model's own forward\(\) \(ONNX node /model/CumSum\)"),
+    (lambda: nn.Linear(4, 4), lambda output, y: mse(torch.cumsum(output, dim=1), y),
+     r"loss_fn \(outside the model\) \(ONNX node /CumSum\)"),
+], ids=["model_forward", "loss_fn"])
+def test_op_without_gradient_outside_a_submodule(model, loss_fn, where):
+    trainer = trainer_for(model(), VECTOR_DESC, loss_fn)
+    expected = f"^ONNX Runtime has no gradient for CumSum, used by {where} between"
+    with pytest.raises(MissingGradientError, match=expected):
+        trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
+
+
+def test_missing_gradient_of_an_unnamed_node():
+    with pytest.raises(MissingGradientError, match=r"^ONNX Runtime has no gradient for CumSum, used by loss_fn "
+                                                   r"\(outside the model\) \(ONNX node <unnamed>\) between"):
+        raise MissingGradientError("CumSum", [""])
+
+
+def test_missing_gradient_without_a_node():
+    with pytest.raises(MissingGradientError, match=r"^ONNX Runtime has no gradient for Pow \(exponent\), used by "
+                                                   r"the model \(ONNX Runtime did not say where\) between"):
+        raise MissingGradientError("Pow", [], "exponent.")
+
+
+# ---------------------------------------------------------------- aten::diff, aten::cumsum
+class Differences(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(5, 5)
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        return torch.diff(hidden, dim=1) + torch.diff(hidden, n=2, prepend=hidden[:, -1:] * 2)
+
+
+def test_diff_trains_like_torch():
+    desc = {"inputs": [("x", ["batch", 5]), ("y", ["batch", 4])],
+            "outputs": [("loss", [], True), ("output", ["batch", 4])]}
+    assert_trains_like_torch(Differences(), desc, batches((3, 5), (3, 4)))
+
+
+def test_int64_diff_of_a_mask_exports_and_trains():
+    """As transformers' packed-sequence check: an int64 diff, then a cumsum of the bool it gives."""
+
+    class MaskStarts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.linear = nn.Linear(6, 6)
+
+        def forward(self, x, mask):
+            sequence = (torch.diff(mask, prepend=torch.zeros_like(mask[:, :1])) > 0).cumsum(-1)
+            return self.linear(x) * sequence
+
+    desc = {"inputs": [("x", ["batch", 6]), ("mask", ["batch", 6]), ("y", ["batch", 6])],
+            "outputs": [("loss", [], True), ("output", ["batch", 6])]}
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [1, 1, 0, 0, 0, 1]])
+    data = [(x, mask, y) for x, y in batches((2, 6), (2, 6))]
+    assert_trains_like_torch(MaskStarts(), desc, data)
+
+
+@pytest.mark.parametrize("opset", [9, 14, 20])
+@pytest.mark.parametrize("x, kwargs", [
+    (torch.arange(12.).view(3, 4) ** 2, dict(n=2, dim=0)),
+    (torch.arange(12.).view(3, 4) ** 2, dict(n=0)),
+    (torch.arange(12.).view(3, 4) ** 2, dict(n=5)),
+    (torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]]), dict(dim=-1, append=torch.tensor([[0], [1]]))),
+    (torch.tensor([1, 3, 4]), dict(prepend=torch.tensor([0.5]))),
+    (torch.tensor([True, False, False, True]), {}),
+], ids=["n2_dim0", "n0", "n_past_size", "int64_append", "promoted", "bool"])
+def test_diff_export_computes_torch_diff(opset, x, kwargs):
+    class Diff(nn.Module):
+        def forward(self, x):
+            return torch.diff(x, **kwargs)
+
+    register_symbolics()
+    buffer = io.BytesIO()
+    torch.onnx.export(Diff(), (x,), buffer, dynamo=False, input_names=["x"], opset_version=opset)
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    ours = session.run(None, {"x": x.numpy()})[0]
+    expected = torch.diff(x, **kwargs).numpy()
+    assert ours.dtype == expected.dtype and ours.shape == expected.shape
+    np.testing.assert_array_equal(ours, expected)
+
+
+@pytest.mark.parametrize("opset", [11, 14, 17])
+@pytest.mark.parametrize("cumsum", [
+    lambda x: (torch.diff(x, prepend=x[:, :1] - 1) != 1).cumsum(-1),
+    lambda x: x.int().cumsum(0),
+    lambda x: (x > 2).cumsum(1, dtype=torch.int32),
+    lambda x: x.cumsum(1, dtype=torch.float32),
+    lambda x: x.double().cumsum(1),
+], ids=["bool", "int32", "bool_dtype_int32", "int64_dtype_float", "float64"])
+def test_cumsum_export_has_torch_result_type(opset, cumsum):
+    """Bool and integer inputs sum as int64 or as the dtype given (torch's exporter left bool
+    inputs bool, invalid for ONNX CumSum)."""
+
+    class CumSum(nn.Module):
+        def forward(self, x):
+            return cumsum(x)
+
+    x = torch.tensor([[0, 1, 2, 0, 1, 5], [3, 4, 5, 6, 0, 1]])
+    register_symbolics()
+    buffer = io.BytesIO()
+    torch.onnx.export(CumSum(), (x,), buffer, dynamo=False, input_names=["x"], opset_version=opset)
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    ours, expected = session.run(None, {"x": x.numpy()})[0], cumsum(x).numpy()
+    assert ours.dtype == expected.dtype
+    np.testing.assert_array_equal(ours, expected)
+
+
+def test_diff_with_a_computed_n_is_refused_at_export():
+    class SizeDependent(nn.Module):
+        def forward(self, x):
+            return torch.diff(x, n=x.shape[0] - 1, dim=1)
+
+    register_symbolics()
+    with pytest.raises(SymbolicValueError, match=r"^torch\.diff: argument n is computed in the graph \(from a "
+                                                 r"dynamic size\?\), the ONNX export needs it constant: pass a "
+                                                 r"Python int for n"):
+        torch.onnx.export(SizeDependent(), (torch.randn(3, 4),), io.BytesIO(), dynamo=False, input_names=["x"],
+                          dynamic_axes={"x": {0: "batch"}})
