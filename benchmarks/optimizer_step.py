@@ -128,7 +128,7 @@ def summarize(samples):
 
 def run_ours(cupy, sizes, args):
     from ort_trainer import _kernels
-    from ort_trainer._optimizers import FlatLayout
+    from ort_trainer._flat import FlatLayout
 
     groups = [[n for _, n, decays in sizes if decays], [n for _, n, decays in sizes if not decays]]
     n = sum(map(sum, groups))

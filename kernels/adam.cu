@@ -3,11 +3,11 @@
 //   c1 = 1 - alpha^t, c2 = 1 - beta^t when do_bias_correction, else 1
 //   mode 0: w -= lr * ((m / c1) / (sqrt(v / c2) + eps) + lambda * w)
 //   mode 1: s = lr * sqrt(c2) / c1;  w' = w - s * m / (sqrt(v) + eps);  w = w' - lr * lambda * w'
-// Oracle: _optimizers.adam_reference. Traffic: reads g, w, m, v and writes w, m, v once
+// Oracle: _optim_reference.adam_reference. Traffic: reads g, w, m, v and writes w, m, v once
 // (28 bytes/param).
 #include "common.cuh"
 
-// OrtGroup fields (packed by _kernels._pack_adam)
+// OrtGroup fields (packed by _kernels.group_table, mirrored in _kernels.GROUP_FIELDS)
 #define ORT_ADAM_ALPHA 0             // f[0]
 #define ORT_ADAM_ONE_MINUS_ALPHA 1   // f[1], rounded from double
 #define ORT_ADAM_BETA 2              // f[2]

@@ -1,11 +1,10 @@
-// Gradient preparation on the device, with no host sync:
+// The global gradient norm and the clip divisor on the device, with no host sync:
 //   sumsq:   per-block sums of grad^2 (squares and sums in double: a finite fp32 square cannot
 //            overflow, so the total is finite exactly when every gradient is finite)
 //   divisor: second stage, one block: N = sqrt(sum), S = loss_scale, S = N / max_norm when
 //            N > S * max_norm; out = [sum, N, S] (out + 2 is what the optimizer kernels read)
-//   unscale: dst = src / scale, and *found_nonfinite = 1 if any result is inf or NaN
 // The reduction order depends only on n and the grid, so the norm is deterministic.
-// Oracle: _optimizers.clip_divisor.
+// Oracle: _optim_cpu.clip_divisor (the rule: _optim_reference.clip_divisor_from_norm).
 #include "common.cuh"
 
 // Stage 1: partials[blockIdx.x] = sum of g^2 over this block's share (grid-stride).
@@ -47,38 +46,4 @@ ort_trainer_clip_divisor_f32(const double* partials, int nparts, double max_norm
         out[1] = norm;
         out[2] = divisor;
     }
-}
-
-// Mixed precision: dst = src / scale (dst may be src), found_nonfinite set to 1 when a result
-// is not finite. The flag is only ever set here: the caller zeroes it before the launch.
-// scale_ptr: device double (may be null, then scale_value).
-extern "C" __global__ void __launch_bounds__(ORT_BLOCK)
-ort_trainer_clip_unscale_f32(const float* src, float* dst, ort_i64 n, const double* scale_ptr,
-                             double scale_value, int* found_nonfinite) {
-    const float s = (float)(scale_ptr != nullptr ? *scale_ptr : scale_value);
-    const ort_i64 tid = (ort_i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const ort_i64 stride = (ort_i64)gridDim.x * blockDim.x;
-    bool bad = false;
-    ort_i64 scalar_from = 0;
-    if (ort_aligned16(src, dst)) {
-        const ort_i64 nvec = n >> 2;
-        const float4* s4 = reinterpret_cast<const float4*>(src);
-        float4* d4 = reinterpret_cast<float4*>(dst);
-        for (ort_i64 q = tid; q < nvec; q += stride) {
-            float4 x = s4[q];
-            x.x = x.x / s;
-            x.y = x.y / s;
-            x.z = x.z / s;
-            x.w = x.w / s;
-            bad |= !(ort_isfinite(x.x) && ort_isfinite(x.y) && ort_isfinite(x.z) && ort_isfinite(x.w));
-            d4[q] = x;
-        }
-        scalar_from = nvec << 2;
-    }
-    for (ort_i64 i = scalar_from + tid; i < n; i += stride) {
-        const float x = src[i] / s;
-        bad |= !ort_isfinite(x);
-        dst[i] = x;
-    }
-    if (bad) *found_nonfinite = 1;
 }

@@ -84,7 +84,7 @@ struct OrtGroupCursor {
     }
 };
 
-// Elementwise driver for SGD / Adam / unscale: a grid-stride loop over the whole flat buffer,
+// Elementwise driver for SGD / Adam: a grid-stride loop over the whole flat buffer,
 // float4 when `vec` (all buffers 16-byte aligned), scalar otherwise. Op provides
 //   set_group(const OrtGroup&), apply4(i) (elements i..i+3, one group), apply1(i).
 template <class Op>

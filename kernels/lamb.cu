@@ -8,10 +8,10 @@
 //              order, so deterministic); r = max(ratio_min, min(ratio_max, ||w|| / ||d||)),
 //              1 if either norm is 0; lr_ratio[seg] = lr * r (double: it may not fit a float)
 //   update:    w_new = w - (lr * r) * d, the product in double, stored only where finite
-// Oracle: _optimizers.lamb_reference. Traffic: 28 + 12 bytes/param (d goes through `dbuf`).
+// Oracle: _optim_reference.lamb_reference. Traffic: 28 + 12 bytes/param (d goes through `dbuf`).
 #include "common.cuh"
 
-// OrtGroup fields (packed by _kernels._pack_lamb)
+// OrtGroup fields (packed by _kernels.group_table, mirrored in _kernels.GROUP_FIELDS)
 #define ORT_LAMB_ALPHA 0             // f[0]
 #define ORT_LAMB_ONE_MINUS_ALPHA 1   // f[1], rounded from double
 #define ORT_LAMB_BETA 2              // f[2]

@@ -3,10 +3,10 @@
 //   if momentum: buf = g (first step) else buf = momentum * buf + (1 - dampening) * g
 //                g = g + momentum * buf (nesterov) else buf
 //   w -= lr * g
-// Oracle: _optimizers.sgd_reference. Traffic: 12 bytes/param (20 with momentum).
+// Oracle: _optim_reference.sgd_reference. Traffic: 12 bytes/param (20 with momentum).
 #include "common.cuh"
 
-// OrtGroup fields (packed by _kernels._pack_sgd)
+// OrtGroup fields (packed by _kernels.group_table, mirrored in _kernels.GROUP_FIELDS)
 #define ORT_SGD_MOMENTUM 0            // f[0]
 #define ORT_SGD_ONE_MINUS_DAMPENING 1 // f[1], 1 - dampening rounded from double
 #define ORT_SGD_LAMBDA 2              // f[2], weight decay (torch semantics)

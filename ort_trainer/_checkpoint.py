@@ -6,7 +6,7 @@ loads into a torch model without ort-trainer.
 """
 import os
 import pickle
-import tempfile
+import secrets
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -19,11 +19,6 @@ FORMAT_VERSION = 1
 _RESERVED = ("format", "format_version")
 _LEAVES = (torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None))  # exact types: no numpy scalars
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-# New files get the permissions a plain open() would give, not the 0600 of a temporary file.
-# (Reading the umask means setting it: done once, at import, before any threads write files.)
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 
 
 def _check_values(value, path: str) -> None:
@@ -52,18 +47,22 @@ def atomic_write(path, write: Callable[[BinaryIO], object]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot write '{path}': directory '{directory}' does not exist")
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o666 & ~_UMASK
-    temporary = tempfile.NamedTemporaryFile(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                            delete=False)
+    existing_mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else None
+    # Created with mode 0o666 (not tempfile's 0o600) so the kernel applies the umask, and a directory's
+    # default ACL, as for a plain open(): the umask is never read (reading it means setting it, a race
+    # with other threads creating files). O_EXCL: a random name that already exists is never reused.
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with temporary:
-            write(temporary)
-            temporary.flush()
-            os.fsync(temporary.fileno())
-        os.chmod(temporary.name, mode)
-        os.replace(temporary.name, path)
+        with os.fdopen(descriptor, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        if existing_mode is not None:  # an overwritten file keeps its permissions
+            os.chmod(temporary, existing_mode)
+        os.replace(temporary, path)
     except BaseException:
-        os.unlink(temporary.name)
+        os.unlink(temporary)
         raise
 
 

@@ -10,7 +10,7 @@ Every rank runs the same training graph on its own part of the global batch.
   state of that shard only, and the shards are all-gathered into every rank's parameters. The
   global gradient norm (clipping) and Lamb's per-tensor norms are summed over the shards.
 * Checkpoints: rank 0 writes the full state (under ZeRO gathered from the shards), which loads on
-  any world size; under ZeRO every rank also writes its own shard of the optimizer state.
+  any world size.
 
 Not bucketed: the graph produces all gradients at once, so there is no backward for buckets to
 overlap. Measured on gloo, 2 processes on 2 loaded cores, the example model's 5.0M-element buffer
@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from . import _checkpoint
-from ._flat import as_torch
-from ._optimizers import FlatLayout, GroupSlice, Lamb, clip_divisor, global_grad_norm, make_optimizer
+from ._flat import FlatLayout, GroupSlice, as_torch
+from ._optim_cpu import sum_of_squares
+from ._optim_reference import clip_divisor_from_norm
+from ._optimizers import Lamb, clip_divisor, make_optimizer
 
 _HOW_TO_START = ("call torch.distributed.init_process_group() before creating the ORTTrainer (backend 'gloo' "
                  "on CPU, 'nccl' on GPU), or launch with torchrun")
@@ -39,6 +41,7 @@ def setup(options):
     explicitly must agree with it, and local_rank with torchrun's LOCAL_RANK.
     """
     settings = options.distributed
+    device = torch.device(options.device.id).type
     zero = settings.deepspeed_zero_optimization.stage == 1
     if zero and options.device.id != "cpu":
         raise NotImplementedError(f"distributed.deepspeed_zero_optimization.stage=1 runs on the CPU only for now, "
@@ -51,7 +54,7 @@ def setup(options):
         if asked:
             raise RuntimeError(f"ORTTrainer: distributed training is asked for ({', '.join(asked)}), but no "
                                f"torch.distributed process group is initialized: {_HOW_TO_START}")
-        return SingleProcess()
+        return SingleProcess(device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if settings.world_size not in (1, world_size):
         raise ValueError(f"Invalid options: distributed.world_size={settings.world_size}, but the torch.distributed "
@@ -64,8 +67,8 @@ def setup(options):
         raise ValueError(f"Invalid options: distributed.local_rank={settings.local_rank}, but the environment says "
                          f"LOCAL_RANK={local_rank}")
     if world_size == 1:
-        return SingleProcess()
-    return (ZeroStage1 if zero else DataParallel)(rank, world_size, settings.allreduce_post_accumulation)
+        return SingleProcess(device)
+    return (ZeroStage1 if zero else DataParallel)(device, rank, world_size, settings.allreduce_post_accumulation)
 
 
 def _collective(what, operation, *args, **kwargs):
@@ -78,32 +81,33 @@ def _collective(what, operation, *args, **kwargs):
                            "group's timeout") from error
 
 
-def shard_path(path, rank, world_size):
-    """Where rank ``rank`` saves its optimizer shard under ZeRO: ``<path>.rank<r>-of-<n>``."""
-    return f"{os.fspath(path)}.rank{rank}-of-{world_size}"
-
-
 class SingleProcess:
-    """One process: no communication."""
+    """One process: no communication. ``device`` ('cpu' or 'cuda', from options.device.id) picks
+    the optimizer's implementation and the clip divisor's."""
+
+    def __init__(self, device):
+        self.device = device
 
     def reduce_gradients(self, grads, accumulated):
         pass
 
-    @staticmethod
-    def clip_divisor(grads, max_norm, loss_scale):
-        return clip_divisor(grads, max_norm, loss_scale)
+    def clip_divisor(self, grads, max_norm, loss_scale):
+        return clip_divisor(grads, max_norm, loss_scale, self.device)
 
-    def make_optimizer(self, config_name, flat, xp):
-        return make_optimizer(config_name, flat.layout, xp)
+    def make_optimizer(self, config_name, flat):
+        """The optimizer of ``flat``'s layout on this strategy's device."""
+        return make_optimizer(config_name, flat.layout, self.device)
 
-    def save_checkpoint(self, path, state, optimizer):
+    def save_checkpoint(self, path, state):
+        """Writes ``path``: ``state`` holds the full optimizer state."""
         _checkpoint.save(path, state)
 
 
 class DataParallel(SingleProcess):
     """Every rank holds all weights and all optimizer state; gradients are averaged."""
 
-    def __init__(self, rank, world_size, post_accumulation):
+    def __init__(self, device, rank, world_size, post_accumulation):
+        super().__init__(device)
         self.rank, self.world_size = rank, world_size
         self.post_accumulation = post_accumulation
 
@@ -117,21 +121,23 @@ class DataParallel(SingleProcess):
     def _reduce(self, grads):
         _collective("averaging the gradients", dist.all_reduce, grads, op=dist.ReduceOp.AVG)
 
-    def make_optimizer(self, config_name, flat, xp):
+    def make_optimizer(self, config_name, flat):
         self._broadcast_weights(flat)
-        return super().make_optimizer(config_name, flat, xp)
+        return super().make_optimizer(config_name, flat)
 
     @staticmethod
     def _broadcast_weights(flat):
         """Starts every rank from rank 0's weights, as DistributedDataParallel does."""
         _collective("broadcasting the initial weights", dist.broadcast, as_torch(flat.params), src=0)
 
-    def save_checkpoint(self, path, state, optimizer):
-        """Rank 0 writes ``path``. Returns on every rank once all files are written, or raises on
-        every rank if one rank failed to write."""
+    def save_checkpoint(self, path, state):
+        """Rank 0 writes ``path`` (``state`` holds the full optimizer state, under ZeRO gathered
+        from every rank). Returns on every rank once it is written, or raises on
+        every rank if writing failed."""
         failed = torch.zeros(self.world_size, device="cuda" if dist.get_backend() == "nccl" else "cpu")
         try:
-            self._write(path, state, optimizer)
+            if self.rank == 0:
+                _checkpoint.save(path, state)
         except Exception:
             failed[self.rank] = 1
             _collective("save_checkpoint", dist.all_reduce, failed)
@@ -141,16 +147,12 @@ class DataParallel(SingleProcess):
             raise RuntimeError(f"ORTTrainer: save_checkpoint({os.fspath(path)!r}) failed on rank(s) "
                                f"{failed.nonzero().flatten().tolist()}; see the error there")
 
-    def _write(self, path, state, optimizer):
-        if self.rank == 0:
-            _checkpoint.save(path, state)
-
 
 class ZeroStage1(DataParallel):
     """DataParallel with the optimizer state partitioned: see ``ShardedOptimizer``."""
 
-    def __init__(self, rank, world_size, post_accumulation):
-        super().__init__(rank, world_size, post_accumulation)
+    def __init__(self, device, rank, world_size, post_accumulation):
+        super().__init__(device, rank, world_size, post_accumulation)
         self._shards = None
 
     def _reduce(self, grads):
@@ -159,21 +161,15 @@ class ZeroStage1(DataParallel):
 
     def clip_divisor(self, grads, max_norm, loss_scale):
         """The clip rule on the global norm, from every shard's sum of squares."""
-        sum_of_squares = torch.tensor([global_grad_norm(grads[self._shards.start:self._shards.stop]) ** 2],
-                                      dtype=torch.float64)
-        _collective("the global gradient norm", dist.all_reduce, sum_of_squares)
-        # The norm of a one-element array holding the global norm is the global norm itself.
-        return clip_divisor(np.array([math.sqrt(sum_of_squares.item())]), max_norm, loss_scale)
+        total = torch.tensor([sum_of_squares(grads[self._shards.start:self._shards.stop])], dtype=torch.float64)
+        _collective("the global gradient norm", dist.all_reduce, total)
+        norm = math.sqrt(total.item())
+        return clip_divisor_from_norm(norm, max_norm, loss_scale), norm
 
-    def make_optimizer(self, config_name, flat, xp):
+    def make_optimizer(self, config_name, flat):
         self._broadcast_weights(flat)
         self._shards = Shards(flat.layout.size, self.rank, self.world_size)
         return ShardedOptimizer(config_name, flat.layout, self._shards)
-
-    def _write(self, path, state, optimizer):
-        super()._write(path, state, optimizer)
-        if optimizer is not None:  # else the first step has not built it: no state to shard yet
-            _checkpoint.save(shard_path(path, self.rank, self.world_size), optimizer.shard_state_dict())
 
 
 class Shards:
@@ -248,8 +244,7 @@ class ShardedOptimizer:
         self._layout = layout
         self._shard = slice(shards.start, shards.stop)
         local_layout, self._segments = shard_layout(layout, shards.start, shards.stop)
-        self._inner = make_optimizer(config_name, local_layout)
-        self.config_name = config_name
+        self._inner = make_optimizer(config_name, local_layout, "cpu")
         if isinstance(self._inner, Lamb):
             self._inner.segment_sums = self._sum_over_shards
 
@@ -283,11 +278,3 @@ class ShardedOptimizer:
         self._inner.load_state_dict({"step_count": state_dict["step_count"],
                                      "state": {name: array[self._shard]
                                                for name, array in state_dict["state"].items()}})
-
-    def shard_state_dict(self):
-        """This rank's shard of the optimizer state, for its ``shard_path`` file."""
-        return {"rank": self._shards.rank, "world_size": self._shards.world_size,
-                "start": self._shards.start, "stop": self._shards.stop,
-                "optimizer": {"name": self.config_name, "step_count": self.step_count,
-                              "state": {name: torch.from_numpy(array.copy())
-                                        for name, array in self._inner.state.items()}}}

@@ -20,6 +20,16 @@ from ._symbolics import register_symbolics
 MODEL_PREFIX = "model."
 
 
+# What the exporter says about itself while we use it on purpose: the TorchScript exporter's
+# deprecation, and its notes on training-mode export. Other warnings (the model's own, torch's
+# deprecations elsewhere) reach the user. TracerWarnings ("the trace might not generalize") are
+# what the proof of every re-derived graph checks (TrainingExports).
+_EXPORTER_NOTICES = ("You are using the legacy TorchScript-based ONNX export",
+                     "Setting `training` to something other than default is deprecated",
+                     "The feature will be removed",
+                     "Constant folding - Only steps=1 can be constant folded")
+
+
 class ExportError(RuntimeError):
     """The model (or its loss) could not be exported to ONNX."""
 
@@ -130,7 +140,9 @@ def _export(module, args, buffer, **kwargs):
     train/eval flag kept."""
     register_symbolics()
     with training_flags_kept(module), export_patches(module), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        for message in _EXPORTER_NOTICES:
+            warnings.filterwarnings("ignore", message=message)
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         torch.onnx.export(module, tuple(args), buffer, dynamo=False, do_constant_folding=False,
                           export_params=True, **kwargs)
 

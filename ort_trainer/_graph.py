@@ -7,6 +7,8 @@ import onnx
 from onnxruntime import SessionOptions
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
+from ._symbolics import MARKER_DOMAIN
+
 # Nodes whose optional second output the gradient builder reads (Dropout's mask,
 # SoftmaxCrossEntropyLoss's log_prob); the TorchScript exporter may emit them with one output.
 _NODES_NEEDING_SECOND_OUTPUT = ("Dropout", "SoftmaxCrossEntropyLoss")
@@ -487,6 +489,54 @@ def inference_batch_norm_as_primitives(model):
     return replaced
 
 
+NO_GRADIENT_SUFFIX = "__no_gradient"
+
+
+def padding_rows_without_gradient(model, trainable):
+    """Rewrites the `ort_trainer::PaddingRows` markers (`_symbolics._embedding`), in place.
+
+    torch gives an embedding's row padding_idx no gradient from the lookup. For a trainable
+    weight W, the rows at padding positions are read from `W + NO_GRADIENT_SUFFIX`, a graph input
+    bound to W's memory that the gradient builder does not differentiate:
+    Where(indices == padding_idx, Gather(W__no_gradient, indices), Gather(W, indices)). Other uses
+    of W (a tied output layer) keep their gradient for that row, as in torch. Markers on weights
+    that are not trained (and all markers, with trainable=()) just go away. Returns the aliases
+    added.
+    """
+    make = onnx.helper.make_node
+    producers = {output: node for node in model.graph.node for output in node.output}
+    inputs = {graph_input.name: graph_input for graph_input in model.graph.input}
+    nodes, aliases = [], []
+    for node in model.graph.node:
+        if node.domain != MARKER_DOMAIN:
+            nodes.append(node)
+            continue
+        rows, indices = node.input
+        weight = producers[rows].input[0]
+        if weight not in trainable:
+            nodes.append(make("Identity", [rows], list(node.output), name=node.name))
+            continue
+        alias = weight + NO_GRADIENT_SUFFIX
+        if alias not in aliases:
+            aliases.append(alias)
+            model.graph.input.append(onnx.helper.make_tensor_value_info(
+                alias, inputs[weight].type.tensor_type.elem_type,
+                [dim.dim_value for dim in inputs[weight].type.tensor_type.shape.dim]))
+        p = f"{node.output[0]}/padding_rows/"
+        nodes += [make("Gather", [alias, indices], [p + "rows_without_gradient"]),
+                  make("Cast", [indices], [p + "indices64"], to=onnx.TensorProto.INT64),
+                  _int64(p + "padding_idx", _attributes(node)["padding_idx"]), _int64(p + "last_axis", [-1]),
+                  make("Equal", [p + "indices64", p + "padding_idx"], [p + "is_padding"]),
+                  make("Unsqueeze", [p + "is_padding", p + "last_axis"], [p + "is_padding_row"]),
+                  make("Where", [p + "is_padding_row", p + "rows_without_gradient", rows], list(node.output))]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    imports = [o for o in model.opset_import if o.domain != MARKER_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
+    return aliases
+
+
 def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False, for_cpu=True):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
@@ -506,6 +556,8 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     add_second_outputs(model)
     eval_model = copy.deepcopy(model)
     _disable_training_mode(eval_model)
+    padding_rows_without_gradient(eval_model, trainable=())
+    padding_rows_without_gradient(model, set(trainable))
     inference_batch_norm_as_primitives(model)
     decompose_instance_normalization(model)
     expand_broadcast_inputs(model, trainable)

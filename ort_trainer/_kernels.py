@@ -1,4 +1,6 @@
-"""CuPy launch wrappers for the flat-buffer kernels in ``kernels/*.cu`` (the GPU optimizer).
+"""The CUDA implementation of the flat-buffer optimizers: CuPy launch wrappers for the kernels
+in ``kernels/*.cu``, with the functional steps and the clip divisor that ``_optimizers`` calls
+for device 'cuda' (the contract: DESIGN.md, "Optimizers").
 
 Each ``kernels/<family>.cu`` is read once per process (``importlib.resources``), with
 ``common.cuh`` pasted in place of its ``#include`` so that CuPy's on-disk cache key (a hash of
@@ -7,26 +9,9 @@ options=NVRTC_OPTIONS)`` once per device, and launched by the thin wrappers belo
 dtype, contiguity, sizes and device first. CuPy is imported on first use only: CPU-only installs
 import this module fine, and the first GPU call raises an ImportError that says what to install.
 
-Hooks called by ``_optimizers`` when ``xp`` is cupy (all launches go to the current stream of
-the arrays' device; nothing here synchronizes with the host):
-
-- ``layout_table(layout, family) -> LayoutTable``: the layout's group table (ranges and
-  hyperparameters, ``family`` 'sgd', 'adam' or 'lamb') on the current device, plus for Lamb the
-  chunk table and the scratch buffers. Build it once per optimizer.
-- ``sgd_step(table, params, grads, momentum, *, lr, grad_divisor=1.0, first_step)``
-- ``adam_step(table, params, grads, exp_avg, exp_avg_sq, *, step, lr, grad_divisor=1.0)``
-- ``lamb_step(table, params, grads, exp_avg, exp_avg_sq, *, step, lr, grad_divisor=1.0)``
-- ``sum_of_squares(grads, out=None) -> 0-d float64 cupy array``
-
-Arrays are contiguous cupy float32 arrays of the layout's size; ``step`` is the 1-based update
-index t; ``grad_divisor`` is a Python number or a one-element cupy array (any float dtype, e.g.
-the S returned by ``clip_divisor``), read on the device. Each step updates ``params`` and the
-state in place, never ``grads``, with one launch for all groups (three for Lamb).
-
-Also: ``clip_divisor(grads, max_norm, loss_scale=1.0, out=None) -> (S, N)`` (0-d float64 device
-arrays, two launches) and ``unscale_and_check_finite(grads, loss_scale, out=None,
-found_nonfinite=None) -> found_nonfinite`` (0-d int32 device array, 1 if any unscaled gradient
-is inf or NaN).
+All launches go to the current stream of the arrays' device; nothing here synchronizes with the
+host: a gradient divisor may be a one-element device array (``clip_divisor``'s S), read on the
+device.
 
 Numerics: fp32 elementwise math with IEEE division and sqrt; CuPy appends ``-ftz=true`` to the
 options, so fp32 denormals flush to zero. Step-dependent scalars (bias corrections, lr * ratio)
@@ -58,8 +43,7 @@ KERNELS = {
     "adam": ("ort_trainer_adam_step_f32",),
     "lamb": ("ort_trainer_lamb_direction_f32", "ort_trainer_lamb_ratio_f32",
              "ort_trainer_lamb_update_f32"),
-    "clip": ("ort_trainer_clip_sumsq_f32", "ort_trainer_clip_divisor_f32",
-             "ort_trainer_clip_unscale_f32"),
+    "clip": ("ort_trainer_clip_sumsq_f32", "ort_trainer_clip_divisor_f32"),
 }
 
 #: common.cuh's ``struct OrtGroup`` (112 bytes) and ``struct OrtChunk`` (24 bytes).
@@ -102,7 +86,7 @@ _sm_counts: dict = {}  # device id -> multiprocessor count
 # ----------------------------------------------------------------------------------------------
 
 
-def _require_cupy():
+def require_cupy():
     """The cupy module; the recorded ImportError, with what to install, if it is missing."""
     global _cupy, _cupy_error
     if _cupy is not None:
@@ -140,7 +124,7 @@ def _function(family: str, name: str, device_id: int):
     key = (name, device_id)
     function = _functions.get(key)
     if function is None:
-        cp = _require_cupy()
+        cp = require_cupy()
         with _lock:
             function = _functions.get(key)
             if function is None:
@@ -157,7 +141,7 @@ def _function(family: str, name: str, device_id: int):
 def _sm_count(device_id: int) -> int:
     count = _sm_counts.get(device_id)
     if count is None:
-        cp = _require_cupy()
+        cp = require_cupy()
         count = _sm_counts[device_id] = int(
             cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
     return count
@@ -309,7 +293,7 @@ class LayoutTable:
     """
 
     def __init__(self, layout, family: str):
-        cp = _require_cupy()
+        cp = require_cupy()
         if family not in GROUP_FIELDS:
             raise ValueError(f"layout_table: family must be one of {sorted(GROUP_FIELDS)}, "
                              f"got {family!r}")
@@ -367,7 +351,7 @@ def sgd_step(table: LayoutTable, params, grads, momentum, *, lr: float, grad_div
         grad_divisor: S in g = grads / S, a number or a one-element device array.
         first_step: True on the first update (the momentum buffer starts at g).
     """
-    cp = _require_cupy()
+    cp = require_cupy()
     where = "sgd_step"
     _check_step(cp, where, table, "sgd", params=params, grads=grads, momentum=momentum)
     divisor_ptr, divisor_value = _device_scalar(cp, where, "grad_divisor", grad_divisor,
@@ -391,7 +375,7 @@ def adam_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
         lr: the learning rate.
         grad_divisor: S in g = grads / S, a number or a one-element device array.
     """
-    cp = _require_cupy()
+    cp = require_cupy()
     where = "adam_step"
     _check_step(cp, where, table, "adam", params=params, grads=grads, exp_avg=exp_avg,
                 exp_avg_sq=exp_avg_sq)
@@ -419,7 +403,7 @@ def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
         lr: the learning rate.
         grad_divisor: S in g = grads / S, a number or a one-element device array.
     """
-    cp = _require_cupy()
+    cp = require_cupy()
     where = "lamb_step"
     _check_step(cp, where, table, "lamb", params=params, grads=grads, exp_avg=exp_avg,
                 exp_avg_sq=exp_avg_sq)
@@ -451,7 +435,7 @@ def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
 
 def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out):
     """out = [sum of squares, N, S] (float64, on grads' device): two launches."""
-    cp = _require_cupy()
+    cp = require_cupy()
     _check_float32(cp, where, "grads", grads, None, None)
     device_id = grads.device.id
     with cp.cuda.Device(device_id):
@@ -484,8 +468,8 @@ def sum_of_squares(grads, out=None):
 
 
 def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None):
-    """The clip divisor S on the device: S = loss_scale; N = ||grads||_2; if N > S * max_norm:
-    S = N / max_norm. Same rule as ``_optimizers.clip_divisor``, in two launches, no host sync.
+    """The clip divisor S on the device: ``_optim_reference.clip_divisor_from_norm`` on
+    N = ||grads||_2, in two launches, no host sync.
 
     Args:
         grads: a contiguous cupy float32 array.
@@ -504,39 +488,3 @@ def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None):
     out = _reduce_grads(where, grads, float(max_norm), float(loss_scale), out)
     return out[2], out[1]
 
-
-def unscale_and_check_finite(grads, loss_scale, out=None, found_nonfinite=None):
-    """Mixed precision: out = grads / loss_scale, and a device flag set if any result is inf/NaN.
-
-    Args:
-        grads: a contiguous cupy float32 array.
-        loss_scale: a number > 0 or a one-element device array.
-        out: where to write (a float32 array of the same size); default: grads, in place.
-        found_nonfinite: optional int32 one-element cupy array for the flag (zeroed here).
-
-    Returns:
-        found_nonfinite: 0 if every result is finite, else 1 (read it when the step is done).
-    """
-    cp = _require_cupy()
-    where = "unscale_and_check_finite"
-    _check_float32(cp, where, "grads", grads, None, None)
-    device_id = grads.device.id
-    n = int(grads.size)
-    if out is None:
-        out = grads
-    _check_float32(cp, where, "out", out, n, device_id)
-    scale_ptr, scale_value = _device_scalar(cp, where, "loss_scale", loss_scale, device_id)
-    with cp.cuda.Device(device_id):
-        if found_nonfinite is None:
-            found_nonfinite = cp.zeros((), dtype=np.int32)
-        elif (not isinstance(found_nonfinite, cp.ndarray) or found_nonfinite.dtype != np.int32
-              or found_nonfinite.size != 1 or found_nonfinite.device.id != device_id):
-            raise ValueError(f"{where}: found_nonfinite must be a one-element int32 cupy array "
-                             f"on cuda:{device_id}, got {_describe(found_nonfinite)}")
-        else:
-            found_nonfinite.fill(0)
-        if n:
-            _function("clip", "ort_trainer_clip_unscale_f32", device_id)(
-                (_grid_stride_blocks(n, device_id),), (BLOCK,),
-                (grads, out, np.int64(n), scale_ptr, scale_value, found_nonfinite))
-    return found_nonfinite

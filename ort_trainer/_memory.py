@@ -20,6 +20,7 @@ import onnxruntime
 import torch
 
 from ._graph import builder_session_options
+from ._session_config import register_shared_cpu_arena
 
 TORCH_TO_NUMPY = {
     torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -33,18 +34,18 @@ POOLED_OUTPUT_BYTES = 1 << 20
 _MAX_FREE_OUTPUT_SIZES = 2
 
 
-def memory_policy(torch_device):
-    return CpuMemory() if torch_device.type == "cpu" else CudaMemory(torch_device)
+def memory_policy(torch_device, mem_limit):
+    return CpuMemory(mem_limit) if torch_device.type == "cpu" else CudaMemory(torch_device)
 
 
 class CpuMemory:
-    def __init__(self):
+    def __init__(self, mem_limit):
+        register_shared_cpu_arena(mem_limit)
         self.free_outputs = OrderedDict()  # nbytes -> memory of an output the caller dropped
 
     def configure(self, session_options):
         """Sessions allocate from one shared arena instead of one each: each arena keeps its own
         peak for the life of its session."""
-        _register_shared_cpu_arena()
         session_options.add_session_config_entry("session.use_env_allocators", "1")
 
     def output_tensor(self, shape, dtype):
@@ -101,18 +102,8 @@ def _recycle(free, block):
 
 
 @functools.cache
-def _register_shared_cpu_arena():
-    """One CPU arena for all our sessions (train and eval, every shape). Sessions opt in with
-    session.use_env_allocators, so other ONNX Runtime users in the process are unaffected."""
-    memory = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
-                                       onnxruntime.OrtMemType.DEFAULT)
-    onnxruntime.create_and_register_allocator(memory, None)
-
-
-@functools.cache
 def _arena_shrinker():
     """A one-node session on the shared arena: ORT shrinks an arena only at the end of a run."""
-    _register_shared_cpu_arena()
     options = builder_session_options()
     options.intra_op_num_threads = 1
     options.add_session_config_entry("session.use_env_allocators", "1")

@@ -26,6 +26,7 @@ _NOT_YET_SUPPORTED = {
     "utils.invertible_layer_norm_gradient": "invertible LayerNorm gradient",
     "utils.run_symbolic_shape_infer": "symbolic shape inference",
     "utils.memory_efficient_gradient": "memory-efficient gradient",
+    "utils.dynamic_shapes": "one graph for all input shapes; each shape gets its own graph, derived from one export",
     "_internal_use.enable_internal_postprocess": "disabling the internal postprocess",
     "_internal_use.extra_postprocess": "extra postprocess",
     "_internal_use.enable_onnx_contrib_ops": "disabling ONNX contrib ops",
@@ -72,7 +73,12 @@ class ORTTrainerOptions(_OptionGroup):
       ``'cpu'``, ``'cuda'`` or ``'cuda:N'``.
     - ``_internal_use.onnx_opset_version`` defaults to 14 and allows 14..17 (original: 12, 12..13).
     - New: ``utils.memory_efficient_gradient`` (False), ``utils.max_cached_graphs`` (8: bound on the
-      per-input-shape graph cache) and ``utils.dynamic_shapes`` (False).
+      per-input-shape graph cache), ``utils.dynamic_shapes`` (False, refused: one graph per shape)
+      and ``debug.graph_save_paths.eval_model_path`` ('': the eval graph).
+    - ``provider_options`` names only the providers the trainer runs on (``CPUExecutionProvider``,
+      which takes no options, and ``CUDAExecutionProvider`` on ``'cuda'``), and its options are
+      merged into the trainer's; the original prepended unknown providers.
+    - An explicit ``None`` is an error unless the field is nullable (the original filled the default).
     - Options whose features are not implemented yet raise ``NotImplementedError`` when set to a
       non-default value (see ``_NOT_YET_SUPPORTED``).
 

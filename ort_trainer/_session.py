@@ -7,8 +7,9 @@ import onnxruntime
 import torch
 
 from ._cuda import require_cuda
-from ._graph import builder_session_options
+from ._graph import NO_GRADIENT_SUFFIX, builder_session_options
 from ._memory import TORCH_TO_NUMPY, memory_policy
+from ._session_config import provider_options_from, session_options_from
 
 _ORT_TYPE_TO_TORCH = {
     "tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
@@ -34,18 +35,20 @@ def torch_device(device_id):
 class Placement:
     """Where the graphs run: the ORT device name and index, providers and the torch device."""
 
-    def __init__(self, device_id, threads, deterministic):
-        self.device_id = device_id
-        self.torch_device = torch_device(device_id)
+    def __init__(self, options, threads):
+        self._options = options
+        self.device_id = options.device.id
+        self.torch_device = torch_device(self.device_id)
         self.ort_device = self.torch_device.type
         self.index = self.torch_device.index or 0
         self.threads = threads
-        self.deterministic = deterministic
+        self.deterministic = options.debug.deterministic_compute
         self.xp, self.stream, self.run_options = np, None, None
-        self.memory = memory_policy(self.torch_device)
+        self.memory = memory_policy(self.torch_device, options.device.mem_limit)
         self.providers = ["CPUExecutionProvider"]
         if self.ort_device == "cuda":
             self._use_cuda()
+        self.providers = provider_options_from(options, self.providers)
 
     def _use_cuda(self):
         """One stream for everything: ORT computes on torch's current stream (so the caller's
@@ -70,7 +73,7 @@ class Placement:
         # the same cores right after the graph, and spinning workers starve them (benchmarks/).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.memory.configure(options)
-        return options
+        return session_options_from(self._options, options)
 
     def bind(self, binding, name, is_output, dtype, shape, pointer):
         bind = binding.bind_output if is_output else binding.bind_input
@@ -107,10 +110,11 @@ class CompiledGraph:
                 providers=self._placement.providers)
             binding = session.io_binding()
             graph_inputs = {i.name for i in session.get_inputs()}
-            for name in self._flat.names:
-                if name in graph_inputs:
-                    self._placement.bind(binding, name, False, np.float32, self._flat.shapes[name],
-                                         _pointer(self._flat.view(self._flat.params, name)))
+            for name in self._flat.names:  # and its alias read without a gradient (embedding padding rows)
+                for graph_name in (name, name + NO_GRADIENT_SUFFIX):
+                    if graph_name in graph_inputs:
+                        self._placement.bind(binding, graph_name, False, np.float32, self._flat.shapes[name],
+                                             _pointer(self._flat.view(self._flat.params, name)))
             for name, array in self._feeds.items():
                 if name in graph_inputs:
                     self._placement.bind(binding, name, False, array.dtype, array.shape, _pointer(array))

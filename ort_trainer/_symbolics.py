@@ -4,6 +4,10 @@ import functools
 import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import symbolic_opset14
+from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+# Domain of the marker nodes our symbolics leave for _graph.py to rewrite (none reaches ORT).
+MARKER_DOMAIN = "ort_trainer"
 from torch.onnx.errors import SymbolicValueError
 
 
@@ -17,6 +21,7 @@ def register_symbolics():
     torch.onnx.register_custom_op_symbolic("aten::diff", _diff, 9)
     torch.onnx.register_custom_op_symbolic("aten::cumsum", _cumsum, 11)  # ONNX CumSum: opset 11
     torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _attention, 14)
+    torch.onnx.register_custom_op_symbolic("aten::embedding", _embedding, 9)
 
 
 def _diff(g, data, n, dim, prepend, append):
@@ -103,3 +108,23 @@ def _attention(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     mask = g.op("Cast", attn_mask, to_i=dtype.onnx_type())
     row_allows_a_key = g.op("ReduceMax", mask, axes_i=[-1], keepdims_i=1)  # axes attribute: opsets 14-17
     return g.op("Mul", output, row_allows_a_key)
+
+
+def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+    """torch's embedding symbolic (a Gather), marked when a training export has a padding_idx.
+
+    Why: torch gives row padding_idx no gradient from the lookup, ONNX's Gather has no such
+    argument (torch's symbolic only warns). The marker `ort_trainer::PaddingRows(rows, indices,
+    padding_idx)` tells _graph.py which rows to keep out of the gradient.
+    """
+    rows = g.op("Gather", weight, indices)
+    padding_idx = symbolic_helper._maybe_get_const(padding_idx, "i")
+    if symbolic_helper._maybe_get_const(scale_grad_by_freq, "b") and GLOBALS.export_training:
+        raise SymbolicValueError("embedding with scale_grad_by_freq=True cannot be trained in ONNX Runtime "
+                                 "(its gradient is not scaled by frequency there): set scale_grad_by_freq=False",
+                                 weight)
+    if not isinstance(padding_idx, int) or padding_idx < 0 or not GLOBALS.export_training:
+        return rows
+    marked = g.op(f"{MARKER_DOMAIN}::PaddingRows", rows, indices, padding_idx_i=padding_idx)
+    marked.setType(rows.type())
+    return marked

@@ -12,9 +12,10 @@ from ._flat import FlatParameters, as_torch
 from ._graph import LOSS_SCALE_INPUT, build_graphs, used_parameters
 from ._inputs import InputChecks
 from ._model_desc import parse_model_desc
-from ._optimizers import _OPTIMIZERS
+from ._optimizers import state_names
 from ._options import ORTTrainerOptions
 from ._session import CompiledGraph, GraphCache, Placement
+from ._session_config import save_graphs
 from .amp import DynamicLossScaler
 from .optim._config import _OptimizerConfig
 
@@ -93,8 +94,7 @@ class ORTTrainer:
         optim_config.resolve_groups([name for name in named if name not in self._frozen_names])
 
         self._distributed = _distributed.setup(options)
-        self._placement = Placement(options.device.id, torch.get_num_threads(),
-                                    options.debug.deterministic_compute)
+        self._placement = Placement(options, torch.get_num_threads())
         self._inputs = InputChecks(desc, self._binding, self._placement.torch_device)
         self._lr_scheduler = options.lr_scheduler
         self._loss_scaler, self._loss_scale = _loss_scaling(options, self._placement.xp)
@@ -220,16 +220,15 @@ class ORTTrainer:
         """Writes `state_dict()` (plus `user_dict`) to `path` atomically (torch.save format).
 
         Distributed, every rank must call it: rank 0 writes `path`, with the full optimizer state
-        (under ZeRO stage 1 gathered from every rank, so it loads on any world size), and under
-        ZeRO each rank also writes its own optimizer shard to `<path>.rank<r>-of-<n>`. It returns
-        when every file is written, or raises on every rank if one rank failed."""
+        (under ZeRO stage 1 gathered from every rank, so it loads on any world size). It returns
+        when the file is written, or raises on every rank if writing it failed."""
         micro_step = self._train_step_info.step % self.options.batch.gradient_accumulation_steps
         if micro_step:
             raise RuntimeError(
                 f"save_checkpoint() in the middle of a gradient-accumulation cycle (micro-step {micro_step} of "
                 f"{self.options.batch.gradient_accumulation_steps}) would lose the accumulated gradients; "
                 "save right after an update")
-        self._distributed.save_checkpoint(path, {**self.state_dict(), "user_dict": user_dict or {}}, self._optimizer)
+        self._distributed.save_checkpoint(path, {**self.state_dict(), "user_dict": user_dict or {}})
 
     def load_checkpoint(self, path, strict=True):
         """Loads a `save_checkpoint()` file; returns its `user_dict`. Distributed, every rank loads
@@ -282,7 +281,7 @@ class ORTTrainer:
             raise ValueError(f"load_state_dict: the checkpoint's optimizer is {optimizer.get('name')!r}, "
                              f"this trainer's is {self.optim_config.name!r}")
         trained = self._trained_parameter_shapes()
-        for state_name in _OPTIMIZERS[self.optim_config.name].state_names:
+        for state_name in state_names(self.optim_config.name):
             per_parameter = optimizer["state"].get(state_name, {}) if optimizer["state"] else None
             if per_parameter is None:
                 continue  # saved before the first step: no optimizer state yet
@@ -386,10 +385,14 @@ class ORTTrainer:
 
     def _build(self, exported, values, outputs, flags):
         """Training and eval graphs from an export (consumed), on the flat buffers."""
+        paths = self.options.debug.graph_save_paths
+        save_graphs(paths, exported=exported)
         training_graph, evaluation = build_graphs(
             exported, self._flat.names, list(self._frozen), outputs,
             self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None,
             for_cpu=self._placement.ort_device == "cpu")
+        save_graphs(paths, training=training_graph, evaluation=evaluation,
+                    session_options=self._placement.session_options(), providers=self._placement.providers)
         present = [name for name, value in values.items() if value is not None]
         return CompiledGraph(training_graph, evaluation, self._placement, self._flat, self._frozen, present, outputs,
                              feeds={LOSS_SCALE_INPUT: self._loss_scale} if self._loss_scaler else None,
@@ -421,7 +424,7 @@ class ORTTrainer:
             named[name].data = named[name].data.contiguous()
             frozen[prefix + name] = named[name].data
         self._frozen = frozen
-        self._optimizer = self._distributed.make_optimizer(self.optim_config.name, self._flat, self._placement.xp)
+        self._optimizer = self._distributed.make_optimizer(self.optim_config.name, self._flat)
         if self._pending_optimizer_state is not None and self._pending_optimizer_state["state"]:
             self._load_optimizer_state(self._pending_optimizer_state)
         self._pending_optimizer_state = None

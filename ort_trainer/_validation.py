@@ -54,6 +54,10 @@ class _SessionOptionsLike(Protocol):
     def add_session_config_entry(self, key, value): ...
 
 
+CPU_PROVIDER, CUDA_PROVIDER = "CPUExecutionProvider", "CUDAExecutionProvider"
+# CUDA provider options the trainer sets itself: the device from device.id, torch's current stream.
+TRAINER_CUDA_OPTIONS = ("device_id", "has_user_compute_stream", "user_compute_stream")
+
 # How each type name reads in an error message ("must be <this>, got ...").
 _TYPE_NAMES = {
     "boolean": "a bool",
@@ -86,6 +90,13 @@ class Validator(cerberus.Validator):
         "input_entry": TypeDefinition("input_entry", (Mapping,), ()),
         "output_entry": TypeDefinition("output_entry", (Mapping,), ()),
     }
+
+    def _normalize_default(self, mapping, schema, field):
+        """{'nullable': True}"""
+        # Only a missing field gets its default. cerberus also fills an explicit None in a field that
+        # is not nullable; kept, the nullable rule reports it by name (the caller asked for None).
+        if field not in mapping:
+            super()._normalize_default(mapping, schema, field)
 
     def _validate_nullable(self, nullable, field, value):
         """{'type': 'boolean'}"""
@@ -122,6 +133,28 @@ class Validator(cerberus.Validator):
     def _check_with_device_id(self, field, value):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
             self._error(field, f"must be 'cpu', 'cuda' or 'cuda:N' (N a device index), got {_show(value)}")
+
+    def _check_with_provider_options(self, field, value):
+        """A provider of ``provider_options`` (``field``, its options ``value``) must be one the trainer
+        runs on, and its options must be ones ONNX Runtime reads and the trainer does not set itself."""
+        device = self.root_document.get("device")
+        device_id = device.get("id") if isinstance(device, Mapping) else None
+        on_cuda = isinstance(device_id, str) and device_id.startswith("cuda")
+        runs_on = [CUDA_PROVIDER, CPU_PROVIDER] if on_cuda else [CPU_PROVIDER]
+        if field not in runs_on:
+            self._error(field, f"not a provider this trainer runs (device.id={device_id!r} runs on "
+                               f"{', '.join(runs_on)})")
+        elif field == CPU_PROVIDER and value:
+            self._error(field, f"the CPU provider reads no options (ONNX Runtime would ignore them), got "
+                               f"{_show(value)}; session_options holds the CPU settings")
+        elif field == CUDA_PROVIDER:
+            for key in (key for key in TRAINER_CUDA_OPTIONS if key in value):
+                self._error(field, f"{key!r} is set by the trainer (from device.id and torch's current stream), "
+                                   f"got {_show(value[key])}")
+            mem_limit = device.get("mem_limit")
+            if "gpu_mem_limit" in value and mem_limit:
+                self._error(field, f"'gpu_mem_limit' and device.mem_limit={mem_limit} both limit the CUDA arena, "
+                                   f"got {_show(value['gpu_mem_limit'])}; set one of them")
 
     def _check_with_torch_dtype(self, field, value):
         if not any(value is dtype for dtype in TORCH_DTYPES.values()):

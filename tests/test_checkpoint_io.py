@@ -65,8 +65,12 @@ def test_plain_torch_reads_it(tmp_path):
 
 def test_file_permissions(tmp_path):
     path = tmp_path / "ckpt.pt"
-    _checkpoint.save(path, {})
-    assert os.stat(path).st_mode & 0o777 == 0o666 & ~_checkpoint._UMASK  # not a temporary file's 0600
+    umask = os.umask(0o027)
+    try:
+        _checkpoint.save(path, {})
+    finally:
+        os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o640  # the umask's, as for open(), not a temporary file's 0600
     os.chmod(path, 0o640)
     _checkpoint.save(path, {})
     assert os.stat(path).st_mode & 0o777 == 0o640  # an overwritten file keeps its permissions

@@ -5,6 +5,7 @@ before the gradient is built, so those models train like torch; other ops withou
 MissingGradientError naming the op and the module; torch.diff and integer torch.cumsum export
 through our symbolics.
 """
+import copy
 import io
 
 import numpy as np
@@ -414,3 +415,47 @@ def test_diff_with_a_computed_n_is_refused_at_export():
                                                  r"Python int for n"):
         torch.onnx.export(SizeDependent(), (torch.randn(3, 4),), io.BytesIO(), dynamo=False, input_names=["x"],
                           dynamic_axes={"x": {0: "batch"}})
+
+
+class PaddedLanguageModel(nn.Module):
+    """An embedding with a padding row, optionally tied to the output layer (as GPT-2's)."""
+
+    def __init__(self, tied):
+        super().__init__()
+        torch.manual_seed(12)
+        self.embedding = nn.Embedding(9, 6, padding_idx=1)
+        with torch.no_grad():
+            self.embedding.weight[1] = torch.randn(6)  # a pretrained padding row need not be zero
+        self.output = nn.Linear(6, 9, bias=False)
+        if tied:
+            self.output.weight = self.embedding.weight
+
+    def forward(self, tokens):
+        return self.output(torch.tanh(self.embedding(tokens)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_padding_row_gets_no_gradient_from_the_lookup_as_in_torch(tied):
+    model = PaddedLanguageModel(tied)
+    reference = copy.deepcopy(model)
+    desc = {"inputs": [("tokens", ["batch", "seq"]), ("labels", ["batch", "seq"])], "outputs": [("loss", [], True)]}
+
+    def loss_fn(logits, labels):
+        return nn.functional.cross_entropy(logits.reshape(-1, 9), labels.reshape(-1))
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.5), loss_fn=loss_fn,
+                         options=ORTTrainerOptions({"utils": {"grad_norm_clip": False}}))
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    padding_row = model.embedding.weight[1].clone()
+    for step in range(10):
+        generator = torch.Generator().manual_seed(800 + step)
+        tokens = torch.randint(0, 9, (3, 5), generator=generator)
+        tokens[:, -2:] = 1  # padding
+        labels = torch.randint(0, 9, (3, 5), generator=generator)
+        loss = trainer.train_step(tokens, labels)
+        sgd.zero_grad()
+        expected = loss_fn(reference(tokens), labels)
+        expected.backward()
+        sgd.step()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5), f"step {step}"
+    torch.testing.assert_close(model.embedding.weight, reference.embedding.weight, rtol=1e-4, atol=1e-6)
+    assert torch.equal(model.embedding.weight[1], padding_row) != tied  # tied: the output layer moves it

@@ -108,3 +108,28 @@ def test_only_the_loss_declared_leaves_logits_and_caches_out():
     with torch.no_grad():
         expected = model(**batch).loss
     assert trainer.eval_step(**batch).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_padding_tokens_train_like_torch(family):
+    """BERT's embeddings have a padding_idx (no gradient for that row from the lookup); GPT-2's
+    padding is the mask alone. Real pad tokens in the batch, as a tokenizer pads."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    model.config.pad_token_id = 0
+    model.train()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, _desc(family, True), optim.SGDConfig(lr=0.5),
+                         options=ORTTrainerOptions({"utils": {"grad_norm_clip": False}}))
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(5):
+        batch = _batch(family, step, masked=True)
+        batch["input_ids"][0, -3:] = 0  # pad where the mask is 0
+        loss, _ = trainer.train_step(**batch)
+        sgd.zero_grad()
+        expected = reference(**batch).loss
+        expected.backward()
+        sgd.step()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-4), f"{family} step {step}"
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5, msg=name)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ort_trainer import _kernels as K
-from ort_trainer._optimizers import FlatLayout
+from ort_trainer._flat import FlatLayout
 
 NVCC = shutil.which("nvcc")
 # The oldest architecture current nvcc targets, and Hopper (the H100 the project measures on).

@@ -8,7 +8,7 @@ import onnxruntime
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, _memory, optim
+from ort_trainer import ORTTrainer, ORTTrainerOptions, _memory, optim
 from ort_trainer._session import Placement
 
 from . import models
@@ -34,7 +34,7 @@ def _large_intermediate_model(mib):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
 def test_release_cached_memory_hands_the_arena_back():
-    placement = Placement("cpu", 1, False)
+    placement = Placement(ORTTrainerOptions(), 1)
     session = onnxruntime.InferenceSession(_large_intermediate_model(96).SerializeToString(),
                                            placement.session_options(), providers=placement.providers)
     assert session.run(None, {"x": np.ones(1, np.float32)})[0] == 96 * MIB // 4

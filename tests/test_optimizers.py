@@ -1,16 +1,15 @@
 """Flat-buffer optimizers: fast CPU path vs references, references vs torch.optim and independent
 float64 transcriptions, gradient clipping, state dicts and error messages."""
 import re
-import sys
 import types
 
 import numpy as np
 import pytest
 import torch
 
-import ort_trainer
+from ort_trainer import _optim_cpu, _optim_reference
 from ort_trainer import _optimizers as opt
-from ort_trainer._optimizers import FlatLayout, GroupSlice
+from ort_trainer._flat import FlatLayout, GroupSlice
 
 SGD_HYPER = dict(momentum=0.9, nesterov=False, lambda_coef=0.0, dampening=0.0)
 ADAM_HYPER = dict(alpha=0.9, beta=0.999, lambda_coef=0.0, epsilon=1e-8, do_bias_correction=True,
@@ -43,13 +42,14 @@ GROUP_HYPERS = {
     ],
 }
 # Segment sizes per group: 1, odd, 1025, one tensor bigger than a CPU block, tensors straddling
-# block boundaries, small ones after big ones. The fast path works in blocks of opt._BLOCK
+# block boundaries, small ones after big ones. The fast path works in blocks of _optim_cpu._BLOCK
 # elements (2**18); most tests shrink it to SMALL_BLOCK to cross block boundaries cheaply.
 SMALL_BLOCK = 1024
 GROUP_SIZES = [[1, 7, 1025, 31], [3001], [3, 1021, 5, 1027], [2, 1], [513, 64, 9]]
 BIG_GROUP_SIZES = [[1, 7, 1025, 31], [300_001], [3, 262_143, 5, 262_145], [2, 1], [513, 64, 9]]
-REFERENCES = {"SGDOptimizer": opt.sgd_reference, "AdamOptimizer": opt.adam_reference,
-              "LambOptimizer": opt.lamb_reference}
+REFERENCES = {"SGDOptimizer": _optim_reference.sgd_reference,
+              "AdamOptimizer": _optim_reference.adam_reference,
+              "LambOptimizer": _optim_reference.lamb_reference}
 LEARNING_RATES = {"SGDOptimizer": 1e-2, "AdamOptimizer": 1e-3, "LambOptimizer": 1e-3}
 
 
@@ -76,15 +76,15 @@ def reference_step(name, layout, params, grads, state, step, lr, grad_divisor):
 
 def poison_scratch(optimizer):
     """NaN into every scratch buffer, so that a step that relies on stale scratch fails."""
-    for buffer in optimizer._block_buffers:
+    for buffer in optimizer._table.block_buffers:
         buffer.fill_(float("nan"))
     if isinstance(optimizer, opt.Lamb):
-        optimizer._direction.fill_(float("nan"))
+        optimizer._table.direction.fill_(float("nan"))
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(opt, "_BLOCK", SMALL_BLOCK)
+    monkeypatch.setattr(_optim_cpu, "_BLOCK", SMALL_BLOCK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def run_reference(name, hyper, sizes, grads_per_step, lr, params):
     """20 steps of a reference on fp32 arrays; returns the final params."""
     layout = FlatLayout.from_sizes([sizes], [hyper])
     params = params.copy()
-    state = [np.zeros(layout.size, np.float32) for _ in opt._OPTIMIZERS[name].state_names]
+    state = [np.zeros(layout.size, np.float32) for _ in opt.state_names(name)]
     for step, grads in enumerate(grads_per_step, start=1):
         reference_step(name, layout, params, grads, state, step, lr, 1.0)
     return params
@@ -314,7 +314,7 @@ def test_global_grad_norm_is_accurate(values):
     n = 3_000_001
     grads = (rng.standard_normal(n) if values == "random" else np.full(n, 0.1)).astype(np.float32)
     exact = np.sqrt(np.sum(grads.astype(np.float64) ** 2))
-    assert abs(opt.global_grad_norm(grads) - exact) / exact <= 1e-6
+    assert abs(_optim_cpu.global_grad_norm(grads) - exact) / exact <= 1e-6
 
 
 @pytest.mark.parametrize("max_norm,loss_scale,grad_scale", [
@@ -346,6 +346,57 @@ def test_clip_divisor_matches_torch_clip_grad_norm(max_norm, loss_scale, grad_sc
 def test_clip_divisor_rejects_non_positive_max_norm():
     with pytest.raises(ValueError, match=re.escape("clip_divisor: max_norm must be > 0, got 0.0")):
         opt.clip_divisor(np.ones(3, np.float32), 0.0)
+
+
+@pytest.mark.parametrize("norm,max_norm,loss_scale,expected", [
+    (3.0, 1.0, 1.0, 3.0),  # clipped: N / max_norm
+    (0.5, 1.0, 1.0, 1.0),  # not clipped
+    (12.0, 2.0, 4.0, 6.0),  # N > loss_scale * max_norm: clipped after unscaling
+    (6.0, 2.0, 4.0, 4.0),  # only unscaled
+    (float("nan"), 1.0, 8.0, 8.0),  # a NaN norm does not clip
+    (1e30, float("inf"), 8.0, 8.0),  # max_norm inf: loss scaling only
+])
+def test_clip_divisor_from_norm(norm, max_norm, loss_scale, expected):
+    assert _optim_reference.clip_divisor_from_norm(norm, max_norm, loss_scale) == expected
+
+
+def test_zero_hook_completes_lamb_sums(small_blocks):
+    """Lamb's segment_sums hook gets this layout's per-tensor sums of squares (w, then d) and
+    what it leaves in them sets the trust ratios: doubling ||w||^2 scales each ratio by sqrt(2)."""
+    rng = np.random.default_rng(8)
+    layout = make_layout("LambOptimizer", [[5, 3001], [1025, 3]])
+    params = rng.standard_normal(layout.size).astype(np.float32)
+    grads = rng.standard_normal(layout.size).astype(np.float32)
+    seen = []
+
+    def double_params_sums(params_sumsq, direction_sumsq):
+        seen.append(params_sumsq.copy())
+        params_sumsq *= 2
+
+    hooked, plain = (opt.make_optimizer("LambOptimizer", layout) for _ in range(2))
+    hooked.segment_sums = double_params_sums
+    hooked_params, plain_params = params.copy(), params.copy()
+    hooked.step(hooked_params, grads, 1e-3)
+    plain.step(plain_params, grads, 1e-3)
+    expected = np.add.reduceat(params.astype(np.float64) ** 2, layout.seg_offsets[:-1])
+    np.testing.assert_allclose(seen[0], expected, rtol=1e-6)
+    for group in layout.groups:  # the clamps of these groups do not bind at this ratio
+        if group.hyper["ratio_max"] < np.inf:
+            continue
+        part = slice(group.start, group.stop)
+        np.testing.assert_allclose(params[part] - hooked_params[part],
+                                   np.sqrt(2) * (params[part] - plain_params[part]),
+                                   rtol=1e-3, atol=1e-7)
+
+
+def test_state_names():
+    assert opt.state_names("SGDOptimizer") == ("momentum",)
+    assert opt.state_names("AdamOptimizer") == opt.state_names("LambOptimizer") == (
+        "exp_avg", "exp_avg_sq")
+    with pytest.raises(ValueError, match=re.escape(
+            "state_names: config_name must be one of ['AdamOptimizer', 'LambOptimizer', "
+            "'SGDOptimizer'], got 'Adam'")):
+        opt.state_names("Adam")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,8 +557,8 @@ def test_optimizer_construction_errors():
             "make_optimizer: config_name must be one of ['AdamOptimizer', 'LambOptimizer', "
             "'SGDOptimizer'], got 'Adam'")):
         opt.make_optimizer("Adam", FlatLayout.from_sizes([[3]], [ADAM_HYPER]))
-    with pytest.raises(ValueError, match="SGD: xp must be numpy or cupy, got <module 'torch'"):
-        opt.SGD(FlatLayout.from_sizes([[3]], [SGD_HYPER]), xp=torch)
+    with pytest.raises(ValueError, match=re.escape("SGD: device must be 'cpu' or 'cuda', got 'mps'")):
+        opt.SGD(FlatLayout.from_sizes([[3]], [SGD_HYPER]), device="mps")
 
 
 @pytest.mark.parametrize("make_buffer,got", [
@@ -525,7 +576,7 @@ def test_step_rejects_bad_buffers(make_buffer, got):
 
 
 # ----------------------------------------------------------------------------------------------
-# CuPy dispatch: the calls into _kernels (a recording stand-in; no GPU needed)
+# device='cuda': the calls into _kernels (a recording stand-in; no GPU needed)
 # ----------------------------------------------------------------------------------------------
 
 def test_cupy_backend_calls_kernels(monkeypatch):
@@ -534,18 +585,18 @@ def test_cupy_backend_calls_kernels(monkeypatch):
         setattr(fake_cupy, name, getattr(np, name))
     calls = []
     fake_kernels = types.ModuleType("ort_trainer._kernels")
+    fake_kernels.require_cupy = lambda: fake_cupy
     fake_kernels.layout_table = lambda layout, family: ("table", family)
     for family in ("sgd", "adam", "lamb"):
         setattr(fake_kernels, f"{family}_step",
                 lambda table, *arrays, _family=family, **scalars: calls.append(
                     (_family, table, len(arrays), scalars)))
-    monkeypatch.setitem(sys.modules, "ort_trainer._kernels", fake_kernels)
-    monkeypatch.setattr(ort_trainer, "_kernels", fake_kernels, raising=False)
+    monkeypatch.setattr(opt, "_kernels", fake_kernels)
 
     params, grads = np.ones(4, np.float32), np.ones(4, np.float32)
     for name, hyper in [("SGDOptimizer", SGD_HYPER), ("AdamOptimizer", ADAM_HYPER),
                         ("LambOptimizer", LAMB_HYPER)]:
-        optimizer = opt.make_optimizer(name, FlatLayout.from_sizes([[4]], [hyper]), xp=fake_cupy)
+        optimizer = opt.make_optimizer(name, FlatLayout.from_sizes([[4]], [hyper]), device="cuda")
         optimizer.step(params, grads, 0.5, grad_divisor=2.0)
         optimizer.step(params, grads, 0.5)
     assert calls == [

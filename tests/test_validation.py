@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ort_trainer._model_desc import InputDescription, ModelDescription, OutputDescription, parse_model_desc
-from ort_trainer._options import _NOT_YET_SUPPORTED, ORTTrainerOptions
+from ort_trainer._options import _NOT_YET_SUPPORTED, ORTTrainerOptions, _lookup
 from ort_trainer._validation import load_schema, validate
 
 TOP_LEVEL_KEYS = ("_internal_use, batch, debug, device, distributed, graph_transformer, lr_scheduler, "
@@ -61,6 +61,7 @@ DEFAULT_OPTIONS = {
         "graph_save_paths": {
             "model_after_graph_transforms_path": "", "model_with_gradient_graph_path": "",
             "model_with_training_graph_path": "", "model_with_training_graph_after_optimization_path": "",
+            "eval_model_path": "",
         },
     },
     "_internal_use": {
@@ -88,7 +89,7 @@ def test_options_fill_defaults_around_given_values():
 
 def test_options_attribute_access():
     providers = {"CUDAExecutionProvider": {"arena_extend_strategy": "kSameAsRequested"}}
-    opts = ORTTrainerOptions({"provider_options": providers})
+    opts = ORTTrainerOptions({"device": {"id": "cuda"}, "provider_options": providers})
     assert opts.distributed.deepspeed_zero_optimization.stage == 0
     assert opts.distributed.pipeline_parallel.sliced_axes == {}
     assert opts.graph_transformer.propagate_cast_ops_config.strategy == "INSERT_AND_REDUCE"
@@ -108,10 +109,18 @@ def test_options_are_read_only():
         opts.utils = None
 
 
-def test_options_none_means_default():
-    """cerberus fills the default for an explicit None in a non-nullable field."""
-    opts = ORTTrainerOptions({"device": {"id": None}, "utils": {"grad_norm_clip": None}})
-    assert opts._validated_opts == DEFAULT_OPTIONS
+def test_options_none_is_refused_by_name():
+    """An explicit None is not the default (cerberus would fill it): the caller asked for None."""
+    message = ("Invalid options: debug: must not be None; device.id: must not be None; "
+               "utils.grad_norm_clip: must not be None")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ORTTrainerOptions({"device": {"id": None}, "utils": {"grad_norm_clip": None}, "debug": None})
+
+
+def test_options_none_where_nullable():
+    nulls = {"lr_scheduler": None, "mixed_precision": {"loss_scaler": None}, "session_options": None,
+             "_internal_use": {"extra_postprocess": None}}
+    assert ORTTrainerOptions(nulls)._validated_opts == DEFAULT_OPTIONS
 
 
 def test_options_do_not_share_defaults_or_input():
@@ -130,30 +139,41 @@ def test_options_repr():
     assert repr(ORTTrainerOptions().device) == "OptionGroup('device', {'id': 'cpu', 'mem_limit': 0})"
 
 
+def _with_defaults(given, defaults=DEFAULT_OPTIONS):
+    """DEFAULT_OPTIONS with the values of ``given`` in place (groups merged key by key)."""
+    return {key: _with_defaults(given[key], value) if isinstance(value, dict) and value and key in given
+            else given.get(key, value) for key, value in defaults.items()}
+
+
 @pytest.mark.parametrize("options", [
     {"device": {"id": "cpu"}},
     {"device": {"id": "cuda"}},
     {"device": {"id": "cuda:0"}},
     {"device": {"id": "cuda:12", "mem_limit": 2**30}},
     {"_internal_use": {"onnx_opset_version": 17}},
-    {"utils": {"grad_norm_clip": False, "max_cached_graphs": 1, "dynamic_shapes": True, "frozen_weights": ["w"]}},
+    {"utils": {"grad_norm_clip": False, "max_cached_graphs": 1, "frozen_weights": ["w"]}},
     {"debug": {"deterministic_compute": True, "check_model_export": True,
-               "graph_save_paths": {"model_with_training_graph_path": "t.onnx"}}},
+               "graph_save_paths": {"model_with_training_graph_path": "t.onnx", "eval_model_path": "e.onnx"}}},
     {"session_options": onnxruntime.SessionOptions()},
     {"provider_options": {"CPUExecutionProvider": {}}},
+    {"device": {"id": "cuda:1", "mem_limit": 2**30},
+     "provider_options": {"CUDAExecutionProvider": {"arena_extend_strategy": "kSameAsRequested"}}},
+    {"device": {"id": "cuda"}, "provider_options": {"CUDAExecutionProvider": {"gpu_mem_limit": 2**30}}},
 ])
 def test_options_valid(options):
-    ORTTrainerOptions(options)
+    assert ORTTrainerOptions(options)._validated_opts == _with_defaults(options)
 
 
-@pytest.mark.parametrize("options", [
-    {"lr_scheduler": Scheduler()},
-    {"mixed_precision": {"loss_scaler": Scaler()}},
-    {"_internal_use": {"extra_postprocess": lambda model: model}},
-], ids=["lr_scheduler", "loss_scaler", "extra_postprocess"])
-def test_options_object_types_validate(options):
-    """These options are gated as not supported yet, but their types already validate."""
-    validate("options", options, "Invalid options")
+@pytest.mark.parametrize("path, value", [
+    ("lr_scheduler", Scheduler()),
+    ("mixed_precision.loss_scaler", Scaler()),
+    ("_internal_use.extra_postprocess", lambda model: model),
+    ("session_options", onnxruntime.SessionOptions()),
+], ids=["lr_scheduler", "loss_scaler", "extra_postprocess", "session_options"])
+def test_options_objects_are_kept_as_given(path, value):
+    """Objects pass their type checks and come back as the same object, not a copy (validate(): the
+    extra_postprocess option itself is gated)."""
+    assert _lookup(validate("options", _nested(path, value), "Invalid options"), path) is value
 
 
 @pytest.mark.parametrize("options, message", [
@@ -188,6 +208,23 @@ def test_options_object_types_validate(options):
     ({"session_options": {}}, "session_options: must be an onnxruntime.SessionOptions, got {} (dict)"),
     ({"provider_options": {"CUDAExecutionProvider": "fast"}},
      "provider_options.CUDAExecutionProvider: must be a dict, got 'fast' (str)"),
+    ({"provider_options": {"CUDAExecutionProvider": {}}},
+     "provider_options.CUDAExecutionProvider: not a provider this trainer runs (device.id='cpu' runs on "
+     "CPUExecutionProvider)"),
+    ({"device": {"id": "cuda:1"}, "provider_options": {"TensorrtExecutionProvider": {}}},
+     "provider_options.TensorrtExecutionProvider: not a provider this trainer runs (device.id='cuda:1' runs on "
+     "CUDAExecutionProvider, CPUExecutionProvider)"),
+    ({"provider_options": {"CPUExecutionProvider": {"use_arena": "0"}}},
+     "provider_options.CPUExecutionProvider: the CPU provider reads no options (ONNX Runtime would ignore them), "
+     "got {'use_arena': '0'}; session_options holds the CPU settings"),
+    ({"device": {"id": "cuda"}, "provider_options": {"CUDAExecutionProvider": {"device_id": "1", "foo": 1}}},
+     "provider_options.CUDAExecutionProvider: 'device_id' is set by the trainer (from device.id and torch's "
+     "current stream), got '1'"),
+    ({"device": {"id": "cuda", "mem_limit": 100}, "provider_options": {"CUDAExecutionProvider": {
+        "gpu_mem_limit": 200, "user_compute_stream": "0"}}},
+     "provider_options.CUDAExecutionProvider: 'gpu_mem_limit' and device.mem_limit=100 both limit the CUDA arena, "
+     "got 200; set one of them; provider_options.CUDAExecutionProvider: 'user_compute_stream' is set by the "
+     "trainer (from device.id and torch's current stream), got '0'"),
     # every failing field, sorted by path
     ({"utils": {"grad_norm_clip": "yes", "max_cached_graphs": 0}, "device": {"id": "tpu"}, "batch": []},
      "batch: must be a dict, got [] (list); "
@@ -227,6 +264,7 @@ NON_DEFAULT = {
     "utils.invertible_layer_norm_gradient": True,
     "utils.run_symbolic_shape_infer": True,
     "utils.memory_efficient_gradient": True,
+    "utils.dynamic_shapes": True,
     "_internal_use.enable_internal_postprocess": False,
     "_internal_use.extra_postprocess": print,
     "_internal_use.enable_onnx_contrib_ops": False,
@@ -262,7 +300,9 @@ def test_not_yet_supported_lists_every_option_sorted():
 
 
 def test_not_yet_supported_accepts_defaults_spelled_out():
-    ORTTrainerOptions({"mixed_precision": {"enabled": False}, "lr_scheduler": None, "distributed": {"world_size": 1}})
+    spelled_out = {"mixed_precision": {"enabled": False}, "lr_scheduler": None, "distributed": {"world_size": 1},
+                   "utils": {"dynamic_shapes": False, "memory_efficient_gradient": False}}
+    assert ORTTrainerOptions(spelled_out)._validated_opts == DEFAULT_OPTIONS
 
 
 def test_invalid_values_are_reported_before_unsupported_ones():
@@ -350,6 +390,10 @@ GOOD_OUTPUTS = [("loss", [], True)]
     ({"inputs": [("x", [1])], "outputs": [("loss", [], True), ("aux", [], True)]},
      "outputs: exactly one output must have is_loss=True, got 2: 'loss', 'aux'"),
     ({"inputs": [("x", [1])], "outputs": [("loss", [], 1)]}, "outputs[0].is_loss: must be a bool, got 1 (int)"),
+    ({"inputs": [("x", [1])], "outputs": [("loss", [], True), ("y", [1], None)]},
+     "outputs[1].is_loss: must not be None"),
+    ({"inputs": [("x", [1])], "outputs": [("loss", [], None)]},
+     "outputs[0].is_loss: must not be None"),
     ({"inputs": [("x", [1])], "outputs": [("loss", [], True), "y"]},
      "outputs[1]: must be a (name, shape) or (name, shape, is_loss) tuple, got 'y' (str)"),
     ({"inputs": None, "outputs": None}, "inputs: must not be None; outputs: must not be None"),

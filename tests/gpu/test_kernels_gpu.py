@@ -1,4 +1,4 @@
-"""The CUDA kernels (ort_trainer._kernels) against the NumPy references of ort_trainer._optimizers.
+"""The CUDA kernels (ort_trainer._kernels) against the NumPy references of ort_trainer._optim_reference.
 
 The references run in float64 on copies of the same fp32 data; the kernels' fp32 results must
 agree to a relative 1e-6 after one step and 1e-5 after 100 steps, elementwise. "Relative" is to
@@ -17,8 +17,9 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from ort_trainer import _kernels as K  # noqa: E402
-from ort_trainer._optimizers import (FlatLayout, adam_reference, clip_divisor,  # noqa: E402
-                                     lamb_reference, make_optimizer, sgd_reference)
+from ort_trainer._flat import FlatLayout  # noqa: E402
+from ort_trainer._optim_reference import adam_reference, lamb_reference, sgd_reference  # noqa: E402
+from ort_trainer._optimizers import clip_divisor, make_optimizer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -254,12 +255,12 @@ def test_misaligned_buffers_take_the_scalar_path(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flat_optimizer_on_cupy_matches_numpy(family):
-    """The hooks as FlatOptimizer.step calls them (xp=cupy) against its CPU path."""
+    """The steps as FlatOptimizer.step calls them (device='cuda') against the CPU ones."""
     rng = np.random.default_rng(11)
     layout = make_layout("small", family)
     w, _, _ = random_problem(layout, family, rng)
-    cpu = make_optimizer(CONFIG_NAMES[family], layout, xp=np)
-    gpu = make_optimizer(CONFIG_NAMES[family], layout, xp=cupy)
+    cpu = make_optimizer(CONFIG_NAMES[family], layout, device="cpu")
+    gpu = make_optimizer(CONFIG_NAMES[family], layout, device="cuda")
     w_cpu, w_gpu = w.copy(), to_device(w)
     for step in range(3):
         g = rng.standard_normal(layout.size).astype(np.float32)
@@ -318,7 +319,7 @@ def test_lamb_is_deterministic():
 
 
 # ----------------------------------------------------------------------------------------------
-# Clip divisor, sum of squares, unscale + non-finite flag
+# Clip divisor, sum of squares
 # ----------------------------------------------------------------------------------------------
 
 
@@ -341,6 +342,14 @@ def test_clip_divisor_matches_reference(n, max_norm_factor, loss_scale):
     assert sumsq.shape == () and float(sumsq) == pytest.approx(exact_norm ** 2, rel=1e-12)
 
 
+def test_clip_divisor_picks_the_implementation_by_device():
+    g = np.random.default_rng(2).standard_normal(10_001).astype(np.float32)
+    S, N = clip_divisor(to_device(g), 1.0, 2.0, device="cuda")
+    assert isinstance(S, cupy.ndarray) and S.shape == () and N.shape == ()
+    want_S, want_N = clip_divisor(g, 1.0, 2.0, device="cpu")
+    assert float(S) == pytest.approx(want_S, rel=1e-6) and float(N) == pytest.approx(want_N, rel=1e-6)
+
+
 def test_clip_divisor_is_deterministic_and_flags_nonfinite():
     rng = np.random.default_rng(1)
     g = rng.standard_normal(1_000_003).astype(np.float32)
@@ -358,30 +367,6 @@ def test_clip_divisor_is_deterministic_and_flags_nonfinite():
     h = g.copy()
     h[5] = 3e38
     assert math.isfinite(float(K.clip_divisor(to_device(h), 1.0)[1]))
-
-
-@pytest.mark.parametrize("n", [1, 7, 1024, 1_000_001])
-@pytest.mark.parametrize("device_scale", [False, True])
-def test_unscale_and_check_finite(n, device_scale):
-    rng = np.random.default_rng(n)
-    scale = 1024.0
-    g = (rng.standard_normal(n) * scale).astype(np.float32)
-    G = to_device(g)
-    out = cupy.full(n, np.nan, dtype=np.float32)
-    scale_arg = cupy.asarray(np.float64(scale)) if device_scale else scale
-    flag = cupy.full((), 7, dtype=np.int32)
-    result = K.unscale_and_check_finite(G, scale_arg, out=out, found_nonfinite=flag)
-    assert result is flag and int(flag) == 0
-    np.testing.assert_array_equal(cupy.asnumpy(out), g / np.float32(scale))
-    np.testing.assert_array_equal(cupy.asnumpy(G), g, err_msg="out-of-place must keep grads")
-    for bad in (np.inf, -np.inf, np.nan):
-        h = g.copy()
-        h[n // 2] = bad
-        H = to_device(h)
-        assert int(K.unscale_and_check_finite(H, scale_arg)) == 1
-        np.testing.assert_array_equal(cupy.asnumpy(H), h / np.float32(scale))  # in place
-    h = np.full(n, 3e38, dtype=np.float32)  # finite, but overflows once divided by 0.5
-    assert int(K.unscale_and_check_finite(to_device(h), 0.5)) == 1
 
 
 # ----------------------------------------------------------------------------------------------

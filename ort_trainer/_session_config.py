@@ -1,0 +1,187 @@
+"""ONNX Runtime settings derived from the options: the session options, the execution providers'
+options, the shared CPU arena's limit, and the graphs ``debug.graph_save_paths`` writes.
+
+The trainer's own settings (threads, spinning, opting in to the shared arena) stay with
+``_session.Placement``; the functions here layer the user's options over them.
+"""
+import os
+import tempfile
+
+import onnxruntime
+
+from ._checkpoint import atomic_write
+from ._validation import CUDA_PROVIDER
+
+# onnxruntime.SessionOptions attributes; where the user's object keeps ORT's default, ours apply.
+_SESSION_ATTRIBUTES = (
+    "enable_cpu_mem_arena", "enable_mem_pattern", "enable_mem_reuse", "enable_profiling", "execution_mode",
+    "execution_order", "graph_optimization_level", "inter_op_num_threads", "intra_op_num_threads",
+    "log_severity_level", "log_verbosity_level", "logid", "optimized_model_filepath", "profile_file_prefix",
+)
+# Session config entries Placement.session_options sets (keep in step with it): config entries
+# cannot be listed, so the ones to carry over are named.
+_TRAINER_CONFIG_KEYS = ("session.intra_op.allow_spinning", "session.use_env_allocators")
+_USE_ENV_ALLOCATORS = "session.use_env_allocators"
+
+
+def _config_entry(session_options, key):
+    """The value of a session config entry, or None when it is not set."""
+    try:
+        return session_options.get_session_config_entry(key)
+    except RuntimeError:  # ORT: "SessionOptions does not have configuration with key"
+        return None
+
+
+def session_options_from(options, base):
+    """The ``onnxruntime.SessionOptions`` a session of the trainer is created with.
+
+    ``options.session_options`` has the original ORTTrainer's meaning, the SessionOptions the
+    sessions use: everything set on it applies (attributes, config entries, initializers, custom
+    op libraries). ``base`` holds the trainer's settings (``Placement.session_options()``); they
+    are written into the user's object where it keeps ONNX Runtime's default, so a user's
+    ``intra_op_num_threads`` wins over the trainer's. ``use_deterministic_compute`` is on if
+    either asks for it. Without ``options.session_options``, ``base`` is returned as it is.
+
+    The user's object is updated in place (config entries cannot be copied to a new one: ORT
+    cannot list them); sessions copy it when they are created.
+
+    Raises:
+        ValueError: ``device.mem_limit`` limits the shared CPU arena, which the user's
+            ``enable_cpu_mem_arena=False`` turns off.
+    """
+    user = options.session_options
+    if user is None:
+        return base
+    arena_off = not user.enable_cpu_mem_arena
+    if arena_off and options.device.mem_limit and options.device.id == "cpu":
+        raise ValueError(f"Invalid options: device.mem_limit={options.device.mem_limit} limits ONNX Runtime's CPU "
+                         "arena, but session_options.enable_cpu_mem_arena is False (no arena); drop one of them")
+    fresh = onnxruntime.SessionOptions()
+    for name in _SESSION_ATTRIBUTES:
+        if getattr(user, name) == getattr(fresh, name):
+            setattr(user, name, getattr(base, name))
+    user.use_deterministic_compute = user.use_deterministic_compute or base.use_deterministic_compute
+    for key in _TRAINER_CONFIG_KEYS:
+        value = _config_entry(base, key)
+        if value is None or _config_entry(user, key) is not None or (arena_off and key == _USE_ENV_ALLOCATORS):
+            continue  # not the trainer's, the user's own, or the shared arena the user turned off
+        user.add_session_config_entry(key, value)
+    return user
+
+
+def provider_options_from(options, providers):
+    """``providers`` (the trainer's list: provider names or ``(name, options)`` pairs) with
+    ``options.provider_options`` merged into the entry of each provider it names, and
+    ``device.mem_limit`` as the CUDA provider's ``gpu_mem_limit``.
+
+    The schema has already refused providers the trainer does not run on, the options the trainer
+    sets itself, and options for the CPU provider (ONNX Runtime ignores them). Values become
+    strings, as ONNX Runtime's Python API passes them.
+    """
+    extra = {name: dict(values) for name, values in options.provider_options.items() if values}
+    if options.device.mem_limit:
+        extra.setdefault(CUDA_PROVIDER, {})["gpu_mem_limit"] = options.device.mem_limit
+    merged = []
+    for entry in providers:
+        name, values = (entry, {}) if isinstance(entry, str) else entry
+        if name in extra:
+            values = {**values, **{key: str(value) for key, value in extra[name].items()}}
+        merged.append((name, values) if values else name)
+    return merged
+
+
+def cpu_arena_config(mem_limit):
+    """The arena config of the shared CPU arena: ``max_mem`` = ``device.mem_limit`` bytes; None
+    (ONNX Runtime's defaults) for 0, no limit."""
+    return onnxruntime.OrtArenaCfg({"max_mem": mem_limit}) if mem_limit else None
+
+
+_registered_cpu_arena_limit = None  # device.mem_limit the process's shared CPU arena was created with
+
+
+def register_shared_cpu_arena(mem_limit):
+    """Registers the process's shared CPU arena, limited to ``mem_limit`` bytes (0: no limit), once.
+
+    One CPU arena for all our sessions (train and eval, every shape, every trainer) instead of one
+    each: each arena keeps its own peak for the life of its session (BENCHMARKS.md). Sessions opt
+    in with ``session.use_env_allocators``, so other ONNX Runtime users in the process are
+    unaffected. ONNX Runtime can neither replace nor resize a registered arena, so a trainer asking
+    for another limit than the first one's is refused rather than run under the wrong limit.
+    """
+    global _registered_cpu_arena_limit
+    if _registered_cpu_arena_limit is None:
+        memory = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                           onnxruntime.OrtMemType.DEFAULT)
+        onnxruntime.create_and_register_allocator(memory, cpu_arena_config(mem_limit))
+        _registered_cpu_arena_limit = mem_limit
+    elif mem_limit != _registered_cpu_arena_limit:
+        raise ValueError(f"Invalid options: device.mem_limit={mem_limit}, but this process's CPU arena, shared by "
+                         f"every trainer, was created with device.mem_limit={_registered_cpu_arena_limit} by an "
+                         "earlier trainer and ONNX Runtime cannot change it; give every trainer the same "
+                         "device.mem_limit")
+
+
+# debug.graph_save_paths field -> the graph it writes (the original's names; this library has no
+# optimizer in the graph, so its gradient graph and its training graph are the same graph)
+_SAVED_GRAPHS = {
+    "model_after_graph_transforms_path": "exported",
+    "model_with_gradient_graph_path": "training",
+    "model_with_training_graph_path": "training",
+    "eval_model_path": "evaluation",
+}
+_OPTIMIZED_PATH = "model_with_training_graph_after_optimization_path"
+
+
+def save_graphs(paths, *, exported=None, training=None, evaluation=None, session_options=None, providers=None):
+    """Writes the graphs ``paths`` (``options.debug.graph_save_paths``) names, each atomically.
+
+    Graphs are bytes or ``onnx.ModelProto``; a graph passed as None, or a path left '', is not
+    written. ``exported``: the forward + loss model as exported (``model_after_graph_transforms_path``);
+    ``training``: forward + loss + backward with one ``<param>_grad`` output per parameter
+    (``model_with_gradient_graph_path`` and ``model_with_training_graph_path``); ``evaluation``:
+    the eval graph, dropout off (``eval_model_path``). ``model_with_training_graph_after_optimization_path``
+    gets the training graph as ONNX Runtime optimized it for the training session, which is why
+    that session's ``session_options`` and ``providers`` are needed with ``training``.
+
+    Every target directory is checked before anything is written.
+
+    Raises:
+        FileNotFoundError: a target directory does not exist (the message names the field).
+        ValueError: the optimized graph is asked for without ``session_options`` and ``providers``.
+    """
+    graphs = {"exported": exported, "training": training, "evaluation": evaluation}
+    targets = [(field, getattr(paths, field), graphs[graph]) for field, graph in _SAVED_GRAPHS.items()
+               if getattr(paths, field) and graphs[graph] is not None]
+    optimized_path = getattr(paths, _OPTIMIZED_PATH)
+    if optimized_path and training is not None:
+        if session_options is None or providers is None:
+            raise ValueError(f"save_graphs: debug.graph_save_paths.{_OPTIMIZED_PATH} needs the training session's "
+                             "session_options and providers")
+        targets.append((_OPTIMIZED_PATH, optimized_path, None))
+    for field, path, _ in targets:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"debug.graph_save_paths.{field}: cannot write {path!r}: directory "
+                                    f"{directory!r} does not exist")
+    for field, path, graph in targets:
+        data = _optimized(_serialized(training), session_options, providers) if field == _OPTIMIZED_PATH \
+            else _serialized(graph)
+        atomic_write(path, lambda file, data=data: file.write(data))
+
+
+def _serialized(graph):
+    return graph if isinstance(graph, bytes) else graph.SerializeToString()
+
+
+def _optimized(model, session_options, providers):
+    """``model`` after ONNX Runtime's graph optimizations for these session options and providers:
+    what its session runs. ORT writes it only while creating a session, to a file."""
+    previous = session_options.optimized_model_filepath
+    with tempfile.TemporaryDirectory() as directory:
+        session_options.optimized_model_filepath = os.path.join(directory, "optimized.onnx")
+        try:
+            onnxruntime.InferenceSession(model, session_options, providers=providers)
+        finally:
+            session_options.optimized_model_filepath = previous
+        with open(os.path.join(directory, "optimized.onnx"), "rb") as file:
+            return file.read()
