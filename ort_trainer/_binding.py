@@ -95,20 +95,20 @@ def bind_inputs(model, input_names, has_loss_fn):
         if has_loss_fn:
             keyword, labels = tuple(matched), tuple(unnamed)
             if not labels:
-                raise BindingError(_INVALID + f"with a loss_fn at least one input must be a label (an input forward() does "
-                                   f"not take), but forward() takes every one: {described}")
+                raise BindingError(_INVALID + "with a loss_fn at least one input must be a label (an input forward() "
+                                   f"does not take), but forward() takes every one: {described}")
         elif takes_kwargs or not unnamed:
             keyword, labels = names, ()
         else:
-            raise BindingError(_INVALID + f"inputs {unnamed} are not parameters of forward() and there is no loss_fn to take "
-                               f"them as labels: {described}. Rename them after forward()'s parameters, or pass "
-                               "a loss_fn")
+            raise BindingError(_INVALID + f"inputs {unnamed} are not parameters of forward() and there is no loss_fn "
+                               f"to take them as labels: {described}. Rename them after forward()'s parameters, or "
+                               "pass a loss_fn")
         missing = [p.name for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD,
                                                             kinds.KEYWORD_ONLY)
                    and p.default is kinds.empty and p.name not in keyword]
         if missing:
-            raise BindingError(_INVALID + f"forward() parameters {missing} have no default and no model_desc input of that "
-                               f"name: {described}. Name the inputs after forward()'s parameters")
+            raise BindingError(_INVALID + f"forward() parameters {missing} have no default and no model_desc input of "
+                               f"that name: {described}. Name the inputs after forward()'s parameters")
         optional = frozenset(name for name in keyword if name in by_name and by_name[name].default is not kinds.empty)
         return InputBinding(names, (), keyword, labels, optional, constant, signature)
 
@@ -118,8 +118,8 @@ def bind_inputs(model, input_names, has_loss_fn):
     if not has_loss_fn:
         count = len(names)
         if count < len(required) or (count > len(positional) and not takes_args):
-            raise BindingError(_INVALID + f"forward() takes {len(required)} to {len(positional)} positional inputs, but "
-                               f"model_desc has {count} and no loss_fn to take the rest as labels: {described}")
+            raise BindingError(_INVALID + f"forward() takes {len(required)} to {len(positional)} positional inputs, "
+                               f"but model_desc has {count} and no loss_fn to take the rest as labels: {described}")
     elif takes_args and not positional:
         count = len(names) - 1
     elif len(required) == len(positional) and not takes_args:
@@ -129,7 +129,8 @@ def bind_inputs(model, input_names, has_loss_fn):
                            f"model_desc input is named after a forward() parameter, and forward() has optional "
                            f"positional parameters: {described}. Name the inputs after forward()'s parameters")
     if has_loss_fn and not 0 < count < len(names):
-        raise BindingError(_INVALID + f"forward() takes {count} positional inputs, so model_desc's {len(names)} inputs leave "
+        raise BindingError(_INVALID + f"forward() takes {count} positional inputs, so model_desc's {len(names)} inputs "
+                           "leave "
                            f"{'no label for loss_fn' if count >= len(names) else 'nothing for forward()'}: "
                            f"{described}")
     return InputBinding(names, names[:count], (), names[count:], frozenset(), constant, signature)

@@ -1,6 +1,7 @@
 """Checkpoint files: atomic writes, ``weights_only`` reads, and key/shape comparison.
 
-The trainer builds the state dict; this module only writes and reads it. Files are plain
+The trainer's state (per-parameter optimizer state, the checks before a load) is assembled and
+checked here too. Files are plain
 ``torch.save`` archives of weights-only values, so ``torch.load(path, weights_only=True)['model']``
 loads into a torch model without ort-trainer.
 """
@@ -10,6 +11,7 @@ import secrets
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from copy import deepcopy
 from typing import BinaryIO
 
 import torch
@@ -167,3 +169,79 @@ def check_component_state(owner, state) -> str:
     if state["type"] != name:
         raise ValueError(f"{prefix}: type: must be {name!r}, got {state['type']!r}")
     return prefix
+
+
+# ---------------------------------------------------------------- the trainer's state
+SECTIONS = ("model", "optimizer", "train_step_info", "lr_scheduler", "loss_scaler", "trainer_options")
+
+
+def optimizer_state(flat, optimizer):
+    """{state name: {torch name: CPU tensor}}: per parameter, so independent of the flat layout."""
+    return {state: {name: view.to("cpu", copy=True) for name, view in flat.per_parameter(array).items()}
+            for state, array in optimizer.state.items()}
+
+
+def load_optimizer_state(flat, optimizer, saved):
+    """Writes a saved per-parameter optimizer state (`optimizer_state`'s layout, with
+    'step_count') into `optimizer`'s flat buffers, all at once (nothing changes on an error)."""
+    state = {}
+    for state_name, array in optimizer.state.items():
+        copy = array.copy()
+        for name, view in flat.per_parameter(copy).items():
+            view.copy_(saved["state"][state_name][name])
+        state[state_name] = copy
+    optimizer.load_state_dict({"step_count": saved["step_count"], "state": state})
+
+
+def check_trainer_state(state_dict, *, model, optimizer_name, optimizer_state_names, trained, components,
+                        strict, optimizer_built):
+    """Every check `ORTTrainer.load_state_dict` makes before it changes anything.
+
+    trained: {torch name: parameter} the optimizer updates; components: {'lr_scheduler': object or
+    None, 'loss_scaler': ...}; optimizer_built: whether the flat optimizer exists (before it does,
+    only the saved state of parameters this model trains is compared)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
+    compare_keys("load_state_dict: sections", dict.fromkeys(SECTIONS), state_dict)
+    current, saved = model.state_dict(), state_dict["model"]
+    if strict:
+        compare_keys("load_state_dict: state_dict['model']", current, saved)
+    else:
+        compare_keys("load_state_dict: state_dict['model']", {k: v for k, v in current.items() if k in saved},
+                     {k: v for k, v in saved.items() if k in current})
+    optimizer = state_dict["optimizer"]
+    if optimizer.get("name") != optimizer_name:
+        raise ValueError(f"load_state_dict: the checkpoint's optimizer is {optimizer.get('name')!r}, "
+                         f"this trainer's is {optimizer_name!r}")
+    for state_name in optimizer_state_names:
+        per_parameter = optimizer["state"].get(state_name, {}) if optimizer["state"] else None
+        if per_parameter is None:
+            continue  # saved before the first step: no optimizer state yet
+        expected = trained
+        if not optimizer_built:
+            per_parameter = {k: v for k, v in per_parameter.items() if k in trained}
+            expected = {k: v for k, v in trained.items() if k in optimizer["state"][state_name]}
+        compare_keys(f"load_state_dict: state_dict['optimizer']['state'][{state_name!r}]", expected, per_parameter)
+    info = state_dict["train_step_info"]
+    for key in ("step", "optimization_step"):
+        value = info.get(key) if isinstance(info, dict) else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"load_state_dict: train_step_info[{key!r}] must be an int >= 0, got {value!r}")
+    for name, component in components.items():
+        if (component is None) != (state_dict[name] is None):
+            raise ValueError(f"load_state_dict: the checkpoint {'has no' if component else 'has'} {name} state, "
+                             f"and this trainer {'has' if component else 'has no'} {name}")
+        if component is not None:
+            deepcopy(component).load_state_dict(state_dict[name])  # validates, changes nothing
+
+
+def plain(value):
+    """Options as plain values for a checkpoint (a record of the run; not applied on load):
+    objects (scheduler, scaler, callables) become their type names; their state is saved apart."""
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__

@@ -10,14 +10,12 @@ import warnings
 import onnx
 import torch
 
+from ._flat import graph_name
 from ._binding import BindingError, select_outputs, training_flags_kept
 from ._graph import parameters_as_inputs
 from ._hf_compat import export_patches
 from ._symbolics import register_symbolics
 
-# The wrapper below holds the user's model under this attribute, so exported initializer names
-# are "<prefix><torch parameter name>".
-MODEL_PREFIX = "model."
 
 
 # What the exporter says about itself while we use it on purpose: the TorchScript exporter's
@@ -44,7 +42,7 @@ class TracedStep(torch.nn.Module):
 
     def __init__(self, model, loss_fn, binding, present, output_names):
         super().__init__()
-        self.model = model
+        self.model = model  # so the graph names of its parameters are _flat.graph_name's
         self.loss_fn = loss_fn
         self.binding = binding
         self.present = tuple(present)
@@ -108,7 +106,8 @@ def check_traceable(model, loss_fn, binding, desc, values):
         declared_as = f"model_desc output {spec.name!r} is declared {list(spec.shape)}"
         if len(shape) != len(spec.shape):
             raise ValueError(f"{declared_as}, but the model produces shape {shape}")
-        expected = [named.setdefault(dim, size) if isinstance(dim, str) else dim for dim, size in zip(spec.shape, shape)]
+        expected = [named.setdefault(dim, size) if isinstance(dim, str) else dim
+                    for dim, size in zip(spec.shape, shape)]
         if shape != expected:
             raise ValueError(f"{declared_as} (here {expected}), but the model produces shape {shape}")
 
@@ -183,7 +182,7 @@ class TrainingExports:
     def __init__(self, model, loss_fn, binding, input_specs, output_names, opset_version):
         self._model, self._loss_fn, self._binding = model, loss_fn, binding
         self._input_specs, self._output_names, self._opset = input_specs, tuple(output_names), opset_version
-        self._parameters = {MODEL_PREFIX + name for name, _ in model.named_parameters()}
+        self._parameters = {graph_name(name) for name, _ in model.named_parameters()}
         self._templates = {}  # (inputs given, flags) -> weightless symbolic export, or None: trace per shape
 
     def get(self, values, flags):

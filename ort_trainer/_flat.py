@@ -118,32 +118,49 @@ def as_torch(array):
     return torch.from_dlpack(array)
 
 
+# The exported step holds the user's model as its attribute `model` (_export.TracedStep), so a
+# torch parameter's name in the graphs is this prefix + its torch name.
+GRAPH_PREFIX = "model."
+
+
+def graph_name(torch_name):
+    """The name of a torch parameter (or buffer) in the exported graphs."""
+    return GRAPH_PREFIX + torch_name
+
+
 class FlatParameters:
     """Trainable parameters packed in one fp32 buffer, ordered by param group; gradients alike.
 
     After construction every trainable torch parameter *is* a view of the buffer, so the torch
-    model always holds the trained weights and nothing is ever copied back.
+    model always holds the trained weights and nothing is ever copied back. `names` are the
+    parameters' graph names (what the graphs read and write), `torch_names` the same ones as the
+    model names them (what checkpoints use), in layout order.
     """
 
     def __init__(self, named_parameters, groups, xp=np):
-        """named_parameters: {name: torch parameter}; groups: [(names, hyperparameters)]."""
-        self.names = [name for names, _ in groups for name in names]
+        """named_parameters: {torch name: torch parameter}; groups: [(torch names, hyperparameters)]."""
+        self.torch_names = [name for names, _ in groups for name in names]
+        self.names = [graph_name(name) for name in self.torch_names]
         sizes = [[named_parameters[name].numel() for name in names] for names, _ in groups]
         self.layout = FlatLayout.from_sizes(sizes, [hyper for _, hyper in groups])
         total = int(self.layout.seg_offsets[-1])
         self.params = xp.empty(total, dtype=np.float32)
         self.grads = xp.zeros(total, dtype=np.float32)
-        self.shapes = {name: tuple(named_parameters[name].shape) for name in self.names}
+        self.shapes = {graph_name(name): tuple(named_parameters[name].shape) for name in self.torch_names}
         self.offsets = dict(zip(self.names, (int(o) for o in self.layout.seg_offsets[:-1])))
         flat_params = as_torch(self.params)
-        for name in self.names:
-            parameter = named_parameters[name]
-            view = flat_params[self.offsets[name]: self.offsets[name] + parameter.numel()].view(parameter.shape)
+        for name in self.torch_names:
+            parameter, start = named_parameters[name], self.offsets[graph_name(name)]
+            view = flat_params[start: start + parameter.numel()].view(parameter.shape)
             with torch.no_grad():
                 view.copy_(parameter.detach())
             parameter.data = view
 
     def view(self, buffer, name):
-        """The part of `buffer` (params, grads, or any array in this layout) holding `name`."""
+        """The part of `buffer` (params, grads, or any array in this layout) holding graph name `name`."""
         start = self.offsets[name]
         return buffer[start: start + int(np.prod(self.shapes[name], dtype=np.int64))].reshape(self.shapes[name])
+
+    def per_parameter(self, buffer):
+        """{torch name: torch view of `buffer`} for every parameter."""
+        return {name: as_torch(self.view(buffer, graph)) for name, graph in zip(self.torch_names, self.names)}

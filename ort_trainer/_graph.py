@@ -79,141 +79,20 @@ def _scale_loss(model, loss_name):
     return scaled
 
 
-def _attributes(node):
+def node_attributes(node):
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _onnx_opset(model):
+def onnx_opset(model):
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
-def _int64(name, value):
+def int64_constant(name, value):
     """A Constant node (named as its output): an int64 scalar, or a 1-D tensor for a list."""
     values = value if isinstance(value, list) else [value]
     dims = [len(values)] if isinstance(value, list) else []
     return onnx.helper.make_node("Constant", [], [name], name=name, value=onnx.helper.make_tensor(
         name, onnx.TensorProto.INT64, dims, values))
-
-
-def _label_nodes(prefix, label, ignore_index):
-    """Nodes for the int64 target index [N, 1, ...] (ignored rows point at class 0) and, with an
-    ignore_index, the float 0/1 weight of every row. Returns (nodes, index name, weight name or None)."""
-    make, p = onnx.helper.make_node, prefix
-    nodes = [make("Cast", [label], [p + "label64"], to=onnx.TensorProto.INT64), _int64(p + "axis1", [1])]
-    if ignore_index is None:
-        return nodes + [make("Unsqueeze", [p + "label64", p + "axis1"], [p + "index"])], p + "index", None
-    nodes += [_int64(p + "ignore_index", ignore_index), _int64(p + "zero", 0),
-              make("Equal", [p + "label64", p + "ignore_index"], [p + "ignored"]),
-              make("Where", [p + "ignored", p + "zero", p + "label64"], [p + "safe_label"]),
-              make("Unsqueeze", [p + "safe_label", p + "axis1"], [p + "index"]),
-              make("Not", [p + "ignored"], [p + "kept"]),
-              make("Cast", [p + "kept"], [p + "weight"], to=onnx.TensorProto.FLOAT)]
-    return nodes, p + "index", p + "weight"
-
-
-def fast_softmax_cross_entropy(model):
-    """Replaces ORT's SoftmaxCrossEntropyLoss (and its gradient) by multithreaded kernels, in place.
-
-    Why: on the CPU both kernels are single-threaded loops (the forward also mallocs and zeroes
-    two scratch copies of the logits every call); on the seed model (700 x 28,782 logits) they
-    were ~60% of the training graph's time. The forward becomes LogSoftmax(axis=1) (MLAS,
-    threaded) + GatherElements + a masked mean; the gradient, exp(log_prob) - onehot(label)
-    scaled per row, becomes Exp + ScatterElements (in place) + Mul. Same math, same outputs
-    (loss, log_prob, gradient), torch's semantics: rows whose label is ignore_index count for
-    nothing; if every row is ignored the loss is NaN (torch) and the gradient is zero.
-    The gradient takes prob[label] as exp of the forward's picked log_prob: that orders the
-    forward's GatherElements before the backward, so log_prob dies at the backward's Exp (ORT
-    otherwise ran it last, keeping one more logits-sized buffer alive through the backward).
-
-    Rewritten only where exact: reduction 'mean', no class weights, float32 (the loss's type is
-    known from the graph's outputs/value_info), opset >= 13; other nodes are left as they are.
-    Run on the built training graph (the builder must see the original node to emit
-    SoftmaxCrossEntropyLossGrad) and on the eval graph. Returns the number of nodes replaced.
-    """
-    if _onnx_opset(model) < 13:
-        return 0
-    graph, make = model.graph, onnx.helper.make_node
-    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
-    forwards, nodes, replaced = {}, [], 0  # log_prob name -> (loss attributes, picked log_prob name)
-    for node in graph.node:
-        attributes = _attributes(node)
-        simple = attributes.get("reduction", b"mean") == b"mean" and len(node.input) == 2
-        if (node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx") and simple
-                and onnx.TensorProto.FLOAT in (types.get(node.output[0]), types.get(node.input[0]))):
-            p = f"{node.output[0]}/fast_sce/"
-            log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else p + "log_prob"
-            label_nodes, index, weight = _label_nodes(p, node.input[1], attributes.get("ignore_index"))
-            nodes += [make("LogSoftmax", [node.input[0]], [log_prob], axis=1), *label_nodes,
-                      make("GatherElements", [log_prob, index], [p + "picked"], axis=1),
-                      make("Squeeze", [p + "picked", p + "axis1"], [p + "picked_log_prob"])]
-            if weight is None:
-                nodes.append(make("ReduceMean", [p + "picked_log_prob"], [p + "mean"], keepdims=0))
-            else:
-                nodes += [make("Mul", [p + "picked_log_prob", weight], [p + "kept_log_prob"]),
-                          make("ReduceSum", [p + "kept_log_prob"], [p + "total"], keepdims=0),
-                          make("ReduceSum", [weight], [p + "count"], keepdims=0),
-                          make("Div", [p + "total", p + "count"], [p + "mean"])]
-            nodes.append(make("Neg", [p + "mean"], [node.output[0]]))
-            forwards[log_prob] = (attributes, p + "picked")
-        elif (node.op_type == "SoftmaxCrossEntropyLossGrad" and len(node.input) == 3
-              and node.input[1] in forwards and _attributes(node) == forwards[node.input[1]][0]):
-            p = f"{node.output[0]}/fast_sce_grad/"
-            loss_grad, log_prob, label = node.input
-            label_nodes, index, weight = _label_nodes(p, label, attributes.get("ignore_index"))
-            nodes += [*label_nodes, make("Constant", [], [p + "one"], value=onnx.helper.make_tensor(
-                p + "one", onnx.TensorProto.FLOAT, [], [1.0]))]
-            if weight is None:  # every row counts 1/N
-                nodes += [make("Size", [label], [p + "rows"]),
-                          make("Cast", [p + "rows"], [p + "count"], to=onnx.TensorProto.FLOAT),
-                          make("Div", [loss_grad, p + "count"], [p + "scale"]),
-                          make("Shape", [label], [p + "label_shape"]),
-                          make("Expand", [p + "scale", p + "label_shape"], [p + "row_scale"])]
-            else:  # kept rows count 1/kept; no kept row: zero gradient, as ORT's kernel
-                nodes += [make("ReduceSum", [weight], [p + "count"], keepdims=0),
-                          make("Max", [p + "count", p + "one"], [p + "safe_count"]),
-                          make("Div", [loss_grad, p + "safe_count"], [p + "scale"]),
-                          make("Mul", [weight, p + "scale"], [p + "row_scale"])]
-            nodes += [make("Unsqueeze", [p + "row_scale", p + "axis1"], [p + "row_scale1"]),
-                      make("Exp", [log_prob], [p + "prob"]),
-                      make("Exp", [forwards[log_prob][1]], [p + "prob_at_label"]),
-                      make("Sub", [p + "prob_at_label", p + "one"], [p + "grad_at_label"]),
-                      make("ScatterElements", [p + "prob", index, p + "grad_at_label"], [p + "unscaled"], axis=1),
-                      make("Mul", [p + "unscaled", p + "row_scale1"], [node.output[0]])]
-        else:
-            nodes.append(node)
-            continue
-        replaced += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return replaced
-
-
-def fast_gather_grad(model):
-    """Replaces ORT's GatherGrad along axis 0 (an embedding's gradient) by GatherNDGrad, in place.
-
-    Why: the CPU GatherGrad took 11-12 ms per step for the seed model's 700 tokens, whatever the
-    vocabulary; GatherNDGrad scatter-adds the same rows in 1.4 ms, deterministically (GatherGrad's
-    sums over repeated tokens changed from run to run). Same math: zeros of the weight's shape,
-    then dY[k] added to row indices[k] (negative indices counted from the end). Returns the
-    number of nodes replaced.
-    """
-    if _onnx_opset(model) < 13:
-        return 0
-    make, nodes, replaced = onnx.helper.make_node, [], 0
-    for node in model.graph.node:
-        if node.op_type != "GatherGrad" or node.domain != "com.microsoft" or _attributes(node).get("axis", 0) != 0:
-            nodes.append(node)
-            continue
-        shape, indices, grad = node.input
-        p = f"{node.output[0]}/fast_gather_grad/"
-        nodes += [make("Cast", [indices], [p + "indices64"], to=onnx.TensorProto.INT64),
-                  _int64(p + "last_axis", [-1]),
-                  make("Unsqueeze", [p + "indices64", p + "last_axis"], [p + "nd_indices"]),
-                  make("GatherNDGrad", [shape, p + "nd_indices", grad], list(node.output), domain="com.microsoft")]
-        replaced += 1
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    return replaced
 
 
 class MissingGradientError(NotImplementedError):
@@ -336,7 +215,8 @@ def _reduce_mean(name, data, axes, opset):
     make = onnx.helper.make_node
     if opset < 18:
         return [make("ReduceMean", [data], [name], name=name, axes=axes, keepdims=1)]
-    return [_int64(name + "_axes", axes), make("ReduceMean", [data, name + "_axes"], [name], name=name, keepdims=1)]
+    return [int64_constant(name + "_axes", axes),
+            make("ReduceMean", [data, name + "_axes"], [name], name=name, keepdims=1)]
 
 
 def decompose_instance_normalization(model):
@@ -348,7 +228,7 @@ def decompose_instance_normalization(model):
     viewed as [N, C, -1] so that any rank works without knowing it. New nodes and tensors are
     named under the original node's name. Returns the number of nodes rewritten.
     """
-    make, opset = onnx.helper.make_node, _onnx_opset(model)
+    make, opset = onnx.helper.make_node, onnx_opset(model)
     nodes, rewritten, tensors = [], 0, None
     for node in model.graph.node:
         if node.op_type != "InstanceNormalization" or node.domain not in ("", "ai.onnx"):
@@ -358,9 +238,10 @@ def decompose_instance_normalization(model):
             tensors = _inferred_tensors(model)
         x, scale, bias = node.input
         element_type = tensors.get(x, (onnx.TensorProto.FLOAT,))[0] or onnx.TensorProto.FLOAT
-        epsilon = np.array(_attributes(node).get("epsilon", 1e-5), onnx.helper.tensor_dtype_to_np_dtype(element_type))
+        epsilon = np.array(node_attributes(node).get("epsilon", 1e-5),
+                           onnx.helper.tensor_dtype_to_np_dtype(element_type))
         p = f"{node.name or node.output[0]}/"
-        nodes += [_int64(p + "grouped_shape", [0, 0, -1]),
+        nodes += [int64_constant(p + "grouped_shape", [0, 0, -1]),
                   make("Reshape", [x, p + "grouped_shape"], [p + "grouped"], name=p + "grouped"),
                   *_reduce_mean(p + "mean", p + "grouped", [2], opset),
                   make("Sub", [p + "grouped", p + "mean"], [p + "centered"], name=p + "centered"),
@@ -371,7 +252,7 @@ def decompose_instance_normalization(model):
                   make("Add", [p + "variance", p + "epsilon"], [p + "variance_epsilon"], name=p + "variance_epsilon"),
                   make("Sqrt", [p + "variance_epsilon"], [p + "deviation"], name=p + "deviation"),
                   make("Div", [p + "centered", p + "deviation"], [p + "normalized"], name=p + "normalized"),
-                  _int64(p + "channel_shape", [-1, 1]),
+                  int64_constant(p + "channel_shape", [-1, 1]),
                   make("Reshape", [scale, p + "channel_shape"], [p + "channel_scale"], name=p + "channel_scale"),
                   make("Reshape", [bias, p + "channel_shape"], [p + "channel_bias"], name=p + "channel_bias"),
                   make("Mul", [p + "normalized", p + "channel_scale"], [p + "scaled"], name=p + "scaled"),
@@ -413,7 +294,7 @@ def expand_broadcast_inputs(model, trainable):
                 continue
             p = f"{node.name or node.output[0]}/expanded_input{index}/"
             if output_dims is not None and all(isinstance(dim, int) for dim in output_dims):
-                nodes += [_int64(p + "shape", list(output_dims)),
+                nodes += [int64_constant(p + "shape", list(output_dims)),
                           make("Expand", [data, p + "shape"], [p + "expanded"], name=p + "expanded")]
                 data = p + "expanded"
             else:  # Expand broadcasts both ways: by each other input's shape in turn
@@ -457,7 +338,7 @@ def inference_batch_norm_as_primitives(model):
     """
     make, nodes, replaced = onnx.helper.make_node, [], 0
     for node in model.graph.node:
-        attributes = _attributes(node)
+        attributes = node_attributes(node)
         if (node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx")
                 or attributes.get("training_mode", 0)):
             nodes.append(node)
@@ -473,8 +354,8 @@ def inference_batch_norm_as_primitives(model):
                   make("Sub", [bias, p + "mean_a"], [p + "b"]),
                   # [C] -> [C, 1, ..., 1]: -1, then a 1 for each of X's dims after the channel
                   make("Shape", [x], [p + "x_shape"]),
-                  _int64(p + "two", [2]), _int64(p + "end", [2**62]), _int64(p + "zero", 0), _int64(p + "one", 1),
-                  _int64(p + "channels", [-1]),
+                  int64_constant(p + "two", [2]), int64_constant(p + "end", [2**62]), int64_constant(p + "zero", 0),
+                  int64_constant(p + "one", 1), int64_constant(p + "channels", [-1]),
                   make("Slice", [p + "x_shape", p + "two", p + "end"], [p + "spatial"]),
                   make("Mul", [p + "spatial", p + "zero"], [p + "spatial_zeros"]),
                   make("Add", [p + "spatial_zeros", p + "one"], [p + "spatial_ones"]),
@@ -525,7 +406,8 @@ def padding_rows_without_gradient(model, trainable):
         p = f"{node.output[0]}/padding_rows/"
         nodes += [make("Gather", [alias, indices], [p + "rows_without_gradient"]),
                   make("Cast", [indices], [p + "indices64"], to=onnx.TensorProto.INT64),
-                  _int64(p + "padding_idx", _attributes(node)["padding_idx"]), _int64(p + "last_axis", [-1]),
+                  int64_constant(p + "padding_idx", node_attributes(node)["padding_idx"]),
+                  int64_constant(p + "last_axis", [-1]),
                   make("Equal", [p + "indices64", p + "padding_idx"], [p + "is_padding"]),
                   make("Unsqueeze", [p + "is_padding", p + "last_axis"], [p + "is_padding_row"]),
                   make("Where", [p + "is_padding_row", p + "rows_without_gradient", rows], list(node.output))]
@@ -537,7 +419,7 @@ def padding_rows_without_gradient(model, trainable):
     return aliases
 
 
-def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False, for_cpu=True):
+def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False, substitute_kernels=None):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is
@@ -545,9 +427,9 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     loss times the LOSS_SCALE_INPUT feed when loss_scaling); the eval graph computes
     `output_names` with dropout off. Outputs not fetched are not graph outputs, so ONNX Runtime
     neither materializes nor keeps them. `model` (the exported forward) is consumed: modified in
-    place. `for_cpu`: replace ORT's single-threaded CPU kernels of the loss and the embedding
-    gradient (the CUDA provider keeps ORT's own: fewer launches, and its GatherGrad is
-    deterministic where GatherNDGrad adds with atomics). Before the gradient is built, the
+    place. `substitute_kernels(training, evaluation)`: the device's kernel substitutions on the
+    built graphs (`Placement.substitute_kernels`; None: ORT's own kernels). Before the gradient is
+    built, the
     training graph's inference-mode BatchNormalization, InstanceNormalization and broadcast
     Where/Pow inputs are rewritten into ops whose ORT gradients exist and are right; an op
     without a gradient raises MissingGradientError.
@@ -564,10 +446,8 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     if loss_scaling:
         loss_name = _scale_loss(model, loss_name)
     training = _gradient_graph(model, trainable, loss_name, builder_session_options())
-    if for_cpu:
-        fast_softmax_cross_entropy(training)
-        fast_gather_grad(training)
-        fast_softmax_cross_entropy(eval_model)
+    if substitute_kernels is not None:
+        substitute_kernels(training, eval_model)
     _set_outputs(training, list(output_names) + [f"{name}_grad" for name in trainable])
     _set_outputs(eval_model, output_names)
     return training.SerializeToString(), eval_model.SerializeToString()

@@ -8,6 +8,7 @@ import torch
 
 from ._cuda import require_cuda
 from ._graph import NO_GRADIENT_SUFFIX, builder_session_options
+from ._graph_cpu import substitute_cpu_kernels
 from ._memory import TORCH_TO_NUMPY, memory_policy
 from ._session_config import provider_options_from, session_options_from
 
@@ -44,6 +45,7 @@ class Placement:
         self.threads = threads
         self.deterministic = options.debug.deterministic_compute
         self.xp, self.stream, self.run_options = np, None, None
+        self.substitute_kernels = substitute_cpu_kernels if self.ort_device == "cpu" else None
         self.memory = memory_policy(self.torch_device, options.device.mem_limit)
         self.providers = ["CPUExecutionProvider"]
         if self.ort_device == "cuda":

@@ -1,5 +1,4 @@
 """ORTTrainer: orchestration of export, compiled graphs, flat buffers and the optimizer."""
-import copy
 import math
 import warnings
 
@@ -8,7 +7,7 @@ import torch
 
 from . import _checkpoint, _distributed, _export
 from ._binding import bind_inputs, training_flags
-from ._flat import FlatParameters, as_torch
+from ._flat import FlatParameters, graph_name
 from ._graph import LOSS_SCALE_INPUT, build_graphs, used_parameters
 from ._inputs import InputChecks
 from ._model_desc import parse_model_desc
@@ -188,25 +187,28 @@ class ORTTrainer:
         info = self._train_step_info
         return {
             "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
-            "optimizer": {"name": self.optim_config.name, "step_count": self._optimizer_step_count(),
-                          "state": self._optimizer_state()},
+            "optimizer": self._optimizer_state_dict(),
             "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
             "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
             "loss_scaler": None if self._loss_scaler is None else self._loss_scaler.state_dict(),
-            "trainer_options": _plain(self.options._validated_opts),
+            "trainer_options": _checkpoint.plain(self.options._validated_opts),
         }
 
     def load_state_dict(self, state_dict, strict=True):
         """Restores a `state_dict()`. Everything is checked before anything changes: another
         model's checkpoint is refused with the mismatched keys named. `strict=False` allows
         missing or unexpected model keys (shapes must still match)."""
-        self._check_state_dict(state_dict, strict)
+        _checkpoint.check_trainer_state(
+            state_dict, model=self.model, optimizer_name=self.optim_config.name,
+            optimizer_state_names=state_names(self.optim_config.name), trained=self._trained_parameters(),
+            components={"lr_scheduler": self._lr_scheduler, "loss_scaler": self._loss_scaler}, strict=strict,
+            optimizer_built=self._optimizer is not None)
         optimizer = state_dict["optimizer"]
         self.model.load_state_dict(state_dict["model"], strict=strict)
         if self._optimizer is None:
             self._pending_optimizer_state = optimizer
         else:
-            self._load_optimizer_state(optimizer)
+            _checkpoint.load_optimizer_state(self._flat, self._optimizer, optimizer)
         info = state_dict["train_step_info"]
         self._train_step_info.step = info["step"]
         self._train_step_info.optimization_step = info["optimization_step"]
@@ -239,76 +241,21 @@ class ORTTrainer:
         self.load_state_dict(state, strict=strict)
         return user_dict
 
-    def _optimizer_step_count(self):
+    def _optimizer_state_dict(self):
+        """The optimizer section: its per-parameter state, or (before the first step) the state
+        a load_state_dict left pending."""
         if self._optimizer is None:
-            return self._pending_optimizer_state["step_count"] if self._pending_optimizer_state else 0
-        return self._optimizer.step_count
+            pending = self._pending_optimizer_state or {"step_count": 0, "state": {}}
+            return {"name": self.optim_config.name, "step_count": pending["step_count"], "state": pending["state"]}
+        return {"name": self.optim_config.name, "step_count": self._optimizer.step_count,
+                "state": _checkpoint.optimizer_state(self._flat, self._optimizer)}
 
-    def _optimizer_state(self):
-        if self._optimizer is None:
-            return self._pending_optimizer_state["state"] if self._pending_optimizer_state else {}
-        prefix = len(_export.MODEL_PREFIX)
-        return {state: {name[prefix:]: as_torch(self._flat.view(array, name)).to("cpu", copy=True)
-                        for name in self._flat.names}
-                for state, array in self._optimizer.state.items()}
-
-    def _load_optimizer_state(self, optimizer):
-        """Writes per-parameter optimizer state into the flat buffers."""
-        prefix = _export.MODEL_PREFIX
-        state = {}
-        for state_name, array in self._optimizer.state.items():
-            flat = array.copy()
-            for name in self._flat.names:
-                as_torch(self._flat.view(flat, name)).copy_(optimizer["state"][state_name][name[len(prefix):]])
-            state[state_name] = flat
-        self._optimizer.load_state_dict({"step_count": optimizer["step_count"], "state": state})
-
-    def _check_state_dict(self, state_dict, strict):
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        sections = {"model", "optimizer", "train_step_info", "lr_scheduler", "loss_scaler", "trainer_options"}
-        _checkpoint.compare_keys("load_state_dict: sections", dict.fromkeys(sections), state_dict)
-        model = self.model.state_dict()
-        saved = state_dict["model"]
-        if strict:
-            _checkpoint.compare_keys("load_state_dict: state_dict['model']", model, saved)
-        else:
-            _checkpoint.compare_keys("load_state_dict: state_dict['model']",
-                                     {k: v for k, v in model.items() if k in saved},
-                                     {k: v for k, v in saved.items() if k in model})
-        optimizer = state_dict["optimizer"]
-        if optimizer.get("name") != self.optim_config.name:
-            raise ValueError(f"load_state_dict: the checkpoint's optimizer is {optimizer.get('name')!r}, "
-                             f"this trainer's is {self.optim_config.name!r}")
-        trained = self._trained_parameter_shapes()
-        for state_name in state_names(self.optim_config.name):
-            per_parameter = optimizer["state"].get(state_name, {}) if optimizer["state"] else None
-            if per_parameter is None:
-                continue  # saved before the first step: no optimizer state yet
-            if self._flat is None:
-                per_parameter = {k: v for k, v in per_parameter.items() if k in trained}
-                trained = {k: v for k, v in trained.items() if k in optimizer["state"][state_name]}
-            _checkpoint.compare_keys(f"load_state_dict: state_dict['optimizer']['state'][{state_name!r}]",
-                                     trained, per_parameter)
-        info = state_dict["train_step_info"]
-        for key in ("step", "optimization_step"):
-            value = info.get(key) if isinstance(info, dict) else None
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"load_state_dict: train_step_info[{key!r}] must be an int >= 0, got {value!r}")
-        for name, current in (("lr_scheduler", self._lr_scheduler), ("loss_scaler", self._loss_scaler)):
-            if (current is None) != (state_dict[name] is None):
-                raise ValueError(f"load_state_dict: the checkpoint {'has no' if current else 'has'} {name} state, "
-                                 f"and this trainer {'has' if current else 'has no'} {name}")
-            if current is not None:
-                copy.deepcopy(current).load_state_dict(state_dict[name])  # validates, changes nothing
-
-    def _trained_parameter_shapes(self):
+    def _trained_parameters(self):
         """{torch name: parameter} of what the optimizer updates (before the first compile: every
         parameter that is not frozen)."""
         named = dict(self.model.named_parameters())
         if self._flat is not None:
-            prefix = len(_export.MODEL_PREFIX)
-            return {name[prefix:]: named[name[prefix:]] for name in self._flat.names}
+            return {name: named[name] for name in self._flat.torch_names}
         return {name: p for name, p in named.items() if name not in self._frozen_names}
 
     # ---------------------------------------------------------------- export
@@ -390,7 +337,7 @@ class ORTTrainer:
         training_graph, evaluation = build_graphs(
             exported, self._flat.names, list(self._frozen), outputs,
             self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None,
-            for_cpu=self._placement.ort_device == "cpu")
+            substitute_kernels=self._placement.substitute_kernels)
         save_graphs(paths, training=training_graph, evaluation=evaluation,
                     session_options=self._placement.session_options(), providers=self._placement.providers)
         present = [name for name, value in values.items() if value is not None]
@@ -406,40 +353,27 @@ class ORTTrainer:
     def _create_training_state(self, graph_names):
         """The flat buffers and the optimizer, for the parameters the graph uses (unused ones stay
         untouched, as in torch), with any optimizer state loaded before the first step."""
-        prefix = _export.MODEL_PREFIX
         named = {name: p for name, p in self.model.named_parameters()}
-        used = {name for name in named if prefix + name in graph_names}
+        used = {name for name in named if graph_name(name) in graph_names}
         unused = sorted(set(named) - used - self._frozen_names)
         if unused:
             warnings.warn(f"parameters {unused} are not used by the model's forward/loss and will not be trained")
         trainable = [name for name in named if name in used and name not in self._frozen_names]
         if not trainable:
             raise ValueError("the model has no trainable parameter used by its forward/loss")
-        groups = [([prefix + name for name in names if name in used], hyper)
+        groups = [([name for name in names if name in used], hyper)
                   for names, hyper in self.optim_config.resolve_groups(trainable)]
         groups = [(names, hyper) for names, hyper in groups if names]
-        self._flat = FlatParameters({prefix + name: p for name, p in named.items()}, groups, self._placement.xp)
+        self._flat = FlatParameters(named, groups, self._placement.xp)
         frozen = {}
         for name in sorted(self._frozen_names & used):
             named[name].data = named[name].data.contiguous()
-            frozen[prefix + name] = named[name].data
+            frozen[graph_name(name)] = named[name].data
         self._frozen = frozen
         self._optimizer = self._distributed.make_optimizer(self.optim_config.name, self._flat)
         if self._pending_optimizer_state is not None and self._pending_optimizer_state["state"]:
-            self._load_optimizer_state(self._pending_optimizer_state)
+            _checkpoint.load_optimizer_state(self._flat, self._optimizer, self._pending_optimizer_state)
         self._pending_optimizer_state = None
-
-
-def _plain(value):
-    """The options as plain values for a checkpoint (a record of the run; not applied on load):
-    objects (scheduler, scaler, callables) become their type names; their state is saved apart."""
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return type(value).__name__
 
 
 def _loss_scaling(options, xp):

@@ -12,7 +12,9 @@ import torch.nn as nn
 
 from ort_trainer import ORTTrainer, _export, _trainer, optim
 from ort_trainer._binding import bind_inputs
-from ort_trainer._graph import build_graphs, builder_session_options, fast_softmax_cross_entropy
+from ort_trainer._flat import graph_name
+from ort_trainer._graph import build_graphs, builder_session_options
+from ort_trainer._graph_cpu import fast_softmax_cross_entropy, substitute_cpu_kernels
 
 from . import models
 
@@ -55,9 +57,10 @@ def run(loss_fn, x, labels, spatial=False):
     """(training graph, eval graph, ours {loss, eval_loss, grads}, torch's {loss, grads})."""
     model = Head(spatial)
     exported = _exported(model, loss_fn, ["x", "labels"], ["loss", "logits"], [x, labels])
-    names = [_export.MODEL_PREFIX + name for name, _ in model.named_parameters()]
-    training, evaluation = build_graphs(exported, names, [], ["loss", "logits"], "loss")
-    params = {_export.MODEL_PREFIX + name: p.detach().numpy() for name, p in model.named_parameters()}
+    names = [graph_name(name) for name, _ in model.named_parameters()]
+    training, evaluation = build_graphs(exported, names, [], ["loss", "logits"], "loss",
+                                        substitute_kernels=substitute_cpu_kernels)
+    params = {graph_name(name): p.detach().numpy() for name, p in model.named_parameters()}
     feeds = {"x": x.numpy(), "labels": labels.numpy(), **params}
     options = builder_session_options()
     options.intra_op_num_threads = 1
@@ -72,7 +75,7 @@ def run(loss_fn, x, labels, spatial=False):
     loss = loss_fn(model(x), labels)
     loss.backward()
     theirs = {"loss": loss.item(),
-              "grads": {_export.MODEL_PREFIX + name: p.grad.numpy() for name, p in model.named_parameters()}}
+              "grads": {graph_name(name): p.grad.numpy() for name, p in model.named_parameters()}}
     return onnx.load_from_string(training), onnx.load_from_string(evaluation), ours, theirs
 
 
@@ -182,8 +185,8 @@ class Lookup(nn.Module):
 def _weight_gradient(model, tokens):
     """(training graph, its gradient of model.weight, torch's) for loss = model(tokens)."""
     exported = _exported(model, None, ["tokens"], ["loss"], [tokens])
-    name = _export.MODEL_PREFIX + "weight"
-    training, _ = build_graphs(exported, [name], [], ["loss"], "loss")
+    name = graph_name("weight")
+    training, _ = build_graphs(exported, [name], [], ["loss"], "loss", substitute_kernels=substitute_cpu_kernels)
     session = onnxruntime.InferenceSession(training, builder_session_options(), providers=["CPUExecutionProvider"])
     ours = session.run([f"{name}_grad"], {"tokens": tokens.numpy(), name: model.weight.detach().numpy()})[0]
     model(tokens).backward()
@@ -211,8 +214,8 @@ def test_graphs_for_cuda_keep_ort_kernels():
     tokens = torch.randint(0, CLASSES, (6,), generator=generator)
     exported = _exported(model, nn.functional.cross_entropy, ["tokens", "labels"], ["loss", "logits"],
                          [tokens, labels])
-    names = [_export.MODEL_PREFIX + name for name, _ in model.named_parameters()]
-    training, evaluation = build_graphs(exported, names, [], ["loss"], "loss", for_cpu=False)
+    names = [graph_name(name) for name, _ in model.named_parameters()]
+    training, evaluation = build_graphs(exported, names, [], ["loss"], "loss")
     assert LOSS_OPS | {"GatherGrad"} <= op_types(onnx.load_from_string(training))
     assert "SoftmaxCrossEntropyLoss" in op_types(onnx.load_from_string(evaluation))
 
@@ -222,4 +225,4 @@ def test_the_cpu_trainer_builds_graphs_for_the_cpu(monkeypatch):
     monkeypatch.setattr(_trainer, "build_graphs", lambda *args, **kwargs: calls.append(kwargs) or build_graphs(*args, **kwargs))
     trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
     trainer.train_step(*models.mlp_batch(0))
-    assert [call["for_cpu"] for call in calls] == [True]
+    assert [call["substitute_kernels"] for call in calls] == [substitute_cpu_kernels]

@@ -1,0 +1,138 @@
+"""Kernel substitutions for graphs that run on the CPU provider (`Placement.substitute_kernels`).
+
+ORT's CPU kernels of the softmax cross-entropy (and its gradient) and of the embedding gradient
+are single-threaded; these rewrites give the same math with threaded kernels (BENCHMARKS.md).
+The CUDA provider keeps ORT's own kernels: fewer launches, and its GatherGrad is deterministic
+where GatherNDGrad adds with atomics.
+"""
+import onnx
+
+from ._graph import int64_constant, node_attributes, onnx_opset
+
+
+def substitute_cpu_kernels(training, evaluation):
+    """Rewrites the built training and eval graphs (ModelProtos) in place."""
+    fast_softmax_cross_entropy(training)
+    fast_gather_grad(training)
+    fast_softmax_cross_entropy(evaluation)
+
+
+def _label_nodes(prefix, label, ignore_index):
+    """Nodes for the int64 target index [N, 1, ...] (ignored rows point at class 0) and, with an
+    ignore_index, the float 0/1 weight of every row. Returns (nodes, index name, weight name or None)."""
+    make, p = onnx.helper.make_node, prefix
+    nodes = [make("Cast", [label], [p + "label64"], to=onnx.TensorProto.INT64), int64_constant(p + "axis1", [1])]
+    if ignore_index is None:
+        return nodes + [make("Unsqueeze", [p + "label64", p + "axis1"], [p + "index"])], p + "index", None
+    nodes += [int64_constant(p + "ignore_index", ignore_index), int64_constant(p + "zero", 0),
+              make("Equal", [p + "label64", p + "ignore_index"], [p + "ignored"]),
+              make("Where", [p + "ignored", p + "zero", p + "label64"], [p + "safe_label"]),
+              make("Unsqueeze", [p + "safe_label", p + "axis1"], [p + "index"]),
+              make("Not", [p + "ignored"], [p + "kept"]),
+              make("Cast", [p + "kept"], [p + "weight"], to=onnx.TensorProto.FLOAT)]
+    return nodes, p + "index", p + "weight"
+
+
+def fast_softmax_cross_entropy(model):
+    """Replaces ORT's SoftmaxCrossEntropyLoss (and its gradient) by multithreaded kernels, in place.
+
+    Why: on the CPU both kernels are single-threaded loops (the forward also mallocs and zeroes
+    two scratch copies of the logits every call); on the seed model (700 x 28,782 logits) they
+    were ~60% of the training graph's time. The forward becomes LogSoftmax(axis=1) (MLAS,
+    threaded) + GatherElements + a masked mean; the gradient, exp(log_prob) - onehot(label)
+    scaled per row, becomes Exp + ScatterElements (in place) + Mul. Same math, same outputs
+    (loss, log_prob, gradient), torch's semantics: rows whose label is ignore_index count for
+    nothing; if every row is ignored the loss is NaN (torch) and the gradient is zero.
+    The gradient takes prob[label] as exp of the forward's picked log_prob: that orders the
+    forward's GatherElements before the backward, so log_prob dies at the backward's Exp (ORT
+    otherwise ran it last, keeping one more logits-sized buffer alive through the backward).
+
+    Rewritten only where exact: reduction 'mean', no class weights, float32 (the loss's type is
+    known from the graph's outputs/value_info), opset >= 13; other nodes are left as they are.
+    Run on the built training graph (the builder must see the original node to emit
+    SoftmaxCrossEntropyLossGrad) and on the eval graph. Returns the number of nodes replaced.
+    """
+    if onnx_opset(model) < 13:
+        return 0
+    graph, make = model.graph, onnx.helper.make_node
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
+    forwards, nodes, replaced = {}, [], 0  # log_prob name -> (loss attributes, picked log_prob name)
+    for node in graph.node:
+        attributes = node_attributes(node)
+        simple = attributes.get("reduction", b"mean") == b"mean" and len(node.input) == 2
+        if (node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx") and simple
+                and onnx.TensorProto.FLOAT in (types.get(node.output[0]), types.get(node.input[0]))):
+            p = f"{node.output[0]}/fast_sce/"
+            log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else p + "log_prob"
+            label_nodes, index, weight = _label_nodes(p, node.input[1], attributes.get("ignore_index"))
+            nodes += [make("LogSoftmax", [node.input[0]], [log_prob], axis=1), *label_nodes,
+                      make("GatherElements", [log_prob, index], [p + "picked"], axis=1),
+                      make("Squeeze", [p + "picked", p + "axis1"], [p + "picked_log_prob"])]
+            if weight is None:
+                nodes.append(make("ReduceMean", [p + "picked_log_prob"], [p + "mean"], keepdims=0))
+            else:
+                nodes += [make("Mul", [p + "picked_log_prob", weight], [p + "kept_log_prob"]),
+                          make("ReduceSum", [p + "kept_log_prob"], [p + "total"], keepdims=0),
+                          make("ReduceSum", [weight], [p + "count"], keepdims=0),
+                          make("Div", [p + "total", p + "count"], [p + "mean"])]
+            nodes.append(make("Neg", [p + "mean"], [node.output[0]]))
+            forwards[log_prob] = (attributes, p + "picked")
+        elif (node.op_type == "SoftmaxCrossEntropyLossGrad" and len(node.input) == 3
+              and node.input[1] in forwards and node_attributes(node) == forwards[node.input[1]][0]):
+            p = f"{node.output[0]}/fast_sce_grad/"
+            loss_grad, log_prob, label = node.input
+            label_nodes, index, weight = _label_nodes(p, label, attributes.get("ignore_index"))
+            nodes += [*label_nodes, make("Constant", [], [p + "one"], value=onnx.helper.make_tensor(
+                p + "one", onnx.TensorProto.FLOAT, [], [1.0]))]
+            if weight is None:  # every row counts 1/N
+                nodes += [make("Size", [label], [p + "rows"]),
+                          make("Cast", [p + "rows"], [p + "count"], to=onnx.TensorProto.FLOAT),
+                          make("Div", [loss_grad, p + "count"], [p + "scale"]),
+                          make("Shape", [label], [p + "label_shape"]),
+                          make("Expand", [p + "scale", p + "label_shape"], [p + "row_scale"])]
+            else:  # kept rows count 1/kept; no kept row: zero gradient, as ORT's kernel
+                nodes += [make("ReduceSum", [weight], [p + "count"], keepdims=0),
+                          make("Max", [p + "count", p + "one"], [p + "safe_count"]),
+                          make("Div", [loss_grad, p + "safe_count"], [p + "scale"]),
+                          make("Mul", [weight, p + "scale"], [p + "row_scale"])]
+            nodes += [make("Unsqueeze", [p + "row_scale", p + "axis1"], [p + "row_scale1"]),
+                      make("Exp", [log_prob], [p + "prob"]),
+                      make("Exp", [forwards[log_prob][1]], [p + "prob_at_label"]),
+                      make("Sub", [p + "prob_at_label", p + "one"], [p + "grad_at_label"]),
+                      make("ScatterElements", [p + "prob", index, p + "grad_at_label"], [p + "unscaled"], axis=1),
+                      make("Mul", [p + "unscaled", p + "row_scale1"], [node.output[0]])]
+        else:
+            nodes.append(node)
+            continue
+        replaced += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return replaced
+
+
+def fast_gather_grad(model):
+    """Replaces ORT's GatherGrad along axis 0 (an embedding's gradient) by GatherNDGrad, in place.
+
+    Why: the CPU GatherGrad took 11-12 ms per step for the seed model's 700 tokens, whatever the
+    vocabulary; GatherNDGrad scatter-adds the same rows in 1.4 ms, deterministically (GatherGrad's
+    sums over repeated tokens changed from run to run). Same math: zeros of the weight's shape,
+    then dY[k] added to row indices[k] (negative indices counted from the end). Returns the
+    number of nodes replaced.
+    """
+    if onnx_opset(model) < 13:
+        return 0
+    make, nodes, replaced = onnx.helper.make_node, [], 0
+    for node in model.graph.node:
+        if node.op_type != "GatherGrad" or node.domain != "com.microsoft" or node_attributes(node).get("axis", 0) != 0:
+            nodes.append(node)
+            continue
+        shape, indices, grad = node.input
+        p = f"{node.output[0]}/fast_gather_grad/"
+        nodes += [make("Cast", [indices], [p + "indices64"], to=onnx.TensorProto.INT64),
+                  int64_constant(p + "last_axis", [-1]),
+                  make("Unsqueeze", [p + "indices64", p + "last_axis"], [p + "nd_indices"]),
+                  make("GatherNDGrad", [shape, p + "nd_indices", grad], list(node.output), domain="com.microsoft")]
+        replaced += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return replaced
