@@ -138,7 +138,7 @@ def _export(module, args, buffer, **kwargs):
     """torch.onnx.export (TorchScript) with our symbolics and the Hugging Face patches, every
     train/eval flag kept."""
     register_symbolics()
-    with training_flags_kept(module), export_patches(module), warnings.catch_warnings():
+    with training_flags_kept(module), warnings.catch_warnings(), export_patches(module):
         for message in _EXPORTER_NOTICES:
             warnings.filterwarnings("ignore", message=message)
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)

@@ -28,6 +28,7 @@ to no key (left padding in a causal LM) gets NaN gradients in ORT; the test mark
 """
 import contextlib
 import sys
+import warnings
 
 _EXPANSIONS = ("_vmap_for_bhqkv", "_vmap_expansion_sdpa")
 
@@ -63,6 +64,10 @@ def export_patches(model):
     if masking_utils is None or not _is_transformers_model(model):
         yield
         return
+    # The exporter warns about every advanced indexing; transformers indexes with positions (never
+    # negative), so the warning says nothing about these models (the caller's warnings context
+    # scopes this filter to the export).
+    warnings.filterwarnings("ignore", message="Exporting aten::index operator of advanced indexing")
     patches = {name: _broadcast_expansion for name in _EXPANSIONS if hasattr(masking_utils, name)}
     if hasattr(masking_utils, "TransformGetItemToIndex"):
         patches["TransformGetItemToIndex"] = contextlib.nullcontext

@@ -317,8 +317,11 @@ class ORTTrainer:
         exported, unproven = self._exports.get(values, flags)
         if self._flat is None:
             self._create_training_state(used_parameters(exported))
-        graph = self._build(exported, values, outputs, flags)
-        if unproven and self._differs_from_torch(graph, values, outputs) is not None:
+        if unproven:
+            graph = self._proven_or_none(exported, values, outputs, flags)
+        else:
+            graph = self._build(exported, values, outputs, flags)
+        if graph is None:
             self._exports.reject(values, flags)
             graph = self._build(self._exports.get(values, flags)[0], values, outputs, flags)
         if self.options.debug.check_model_export:
@@ -344,6 +347,15 @@ class ORTTrainer:
         return CompiledGraph(training_graph, evaluation, self._placement, self._flat, self._frozen, present, outputs,
                              feeds={LOSS_SCALE_INPUT: self._loss_scale} if self._loss_scaler else None,
                              training_flags=flags)
+
+    def _proven_or_none(self, exported, values, outputs, flags):
+        """The graph re-derived for a new shape, if it builds and its eval graph matches torch's
+        forward there; None otherwise (e.g. a size the first trace saw as 1 was specialized)."""
+        try:
+            graph = self._build(exported, values, outputs, flags)
+        except Exception:  # ORT rejects the graph at this shape: tracing it again decides
+            return None
+        return graph if self._differs_from_torch(graph, values, outputs) is None else None
 
     def _differs_from_torch(self, graph, values, outputs):
         """None when the eval graph computes what torch's eval-mode forward does on `values`."""

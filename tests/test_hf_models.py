@@ -133,3 +133,24 @@ def test_padding_tokens_train_like_torch(family):
         assert loss.item() == pytest.approx(expected.item(), rel=1e-4), f"{family} step {step}"
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_a_first_batch_of_one_row_does_not_break_other_batch_sizes():
+    """Traced at batch 1, the symbolic export bakes that size in where ORT then rejects the
+    re-derived graph at batch 2 (an index out of bounds): that graph is traced again."""
+    torch.manual_seed(0)
+    model = _gpt2()
+    model.train()
+    reference = copy.deepcopy(model)
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.5),
+                         options=ORTTrainerOptions({"utils": {"grad_norm_clip": False}}))
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step, rows in enumerate([1, 2, 3, 1]):
+        input_ids = torch.randint(3, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(step))
+        loss = trainer.train_step(input_ids=input_ids, labels=input_ids)
+        sgd.zero_grad()
+        expected = reference(input_ids=input_ids, labels=input_ids).loss
+        expected.backward()
+        sgd.step()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-4), f"step {step}"

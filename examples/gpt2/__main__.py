@@ -1,0 +1,3 @@
+from examples.gpt2.train import main
+
+main()

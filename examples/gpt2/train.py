@@ -1,0 +1,399 @@
+"""Fine-tune GPT-2 (GPT2LMHeadModel) on WikiText text with ORTTrainer or with the plain PyTorch loop.
+
+    python -m examples.gpt2 --engine ort                      # offline: small GPT-2 from scratch
+    python -m examples.gpt2 --engine torch                    # the same run, eager PyTorch
+    python -m examples.gpt2 --engine ort --model_name_or_path gpt2 --block-size 512 ...
+
+The seed's ``run_lm_gpt2.sh`` recipe (Hugging Face's language-modeling example with ORT): blocks
+of ``--block-size`` tokens, AdamW (weight decay 0.01, none on biases and LayerNorm weights),
+linear warmup then linear decay, gradient-norm clipping, gradient accumulation.
+
+Both engines share the data, the model initialisation (``--seed``), the loop, evaluation,
+checkpointing and reporting; they differ only in one train/eval step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:   # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from examples.gpt2.data import DataError, load_blocks, read_lines, train_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+ADAM_BETAS, ADAM_EPSILON = (0.9, 0.999), 1e-8   # Hugging Face Trainer's defaults
+
+
+def no_decay_parameter_names(model) -> list[str]:
+    """Biases and LayerNorm weights, which run_clm (Hugging Face Trainer) does not decay."""
+    layer_norm_params = {f"{module_name}.{name}" if module_name else name
+                         for module_name, module in model.named_modules() if isinstance(module, torch.nn.LayerNorm)
+                         for name, _ in module.named_parameters(recurse=False)}
+    return [name for name, _ in model.named_parameters() if name in layer_norm_params or name.endswith("bias")]
+
+
+def linear_warmup_factor(update: int, total_updates: int, warmup_steps: int) -> float:
+    """lr / base lr of the ``update``-th update (1, 2, ...), as ``optim.LinearWarmupLRScheduler``
+    computes it: a linear ramp over ``warmup_steps`` updates, then a linear decay that reaches 0
+    at update ``total_updates``."""
+    if update < warmup_steps:
+        return update / max(1, warmup_steps)
+    return max(0.0, (total_updates - update) / max(1, total_updates - warmup_steps))
+
+
+class TorchEngine:
+    """The plain PyTorch loop: forward and backward per micro-batch, then clip, AdamW, schedule."""
+    name = "torch"
+
+    def __init__(self, model, args, total_updates):
+        self.model, self.args = model, args
+        no_decay = set(no_decay_parameter_names(model))
+        named = list(model.named_parameters())
+        groups = [{"params": [p for n, p in named if n not in no_decay], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=ADAM_BETAS, eps=ADAM_EPSILON)
+        # LambdaLR calls the lambda with the number of updates done so far: the next one is +1.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda done: linear_warmup_factor(done + 1, total_updates, args.warmup_steps))
+        self.micro_steps = 0
+        self.last_lr = None
+
+    def train_step(self, input_ids):
+        """One micro-batch; every ``--gradient-accumulation-steps``-th call also updates."""
+        output = self.model(input_ids=input_ids, labels=input_ids, use_cache=False)
+        # The micro-batch losses are not divided by the accumulation steps: ORTTrainer sums the
+        # micro-steps' gradients, and clipping and Adam then see the same sum here.
+        output.loss.backward()
+        self.micro_steps += 1
+        if self.micro_steps % self.args.gradient_accumulation_steps == 0:
+            if self.args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            self.last_lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return output.loss.detach()
+
+    @torch.no_grad()
+    def eval_step(self, input_ids):
+        """(loss, logits or None): dropout off, the model's train/eval flags restored after."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            output = self.model(input_ids=input_ids, labels=input_ids, use_cache=False)
+        finally:
+            self.model.train(was_training)
+        return output.loss, output.logits if self.args.fetch_logits else None
+
+    def save_checkpoint(self, path):
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "lr_scheduler": self.scheduler.state_dict(), "micro_steps": self.micro_steps}, path)
+
+
+class ORTEngine:
+    """ORTTrainer: forward, loss, backward, accumulation, clipping, AdamW and the schedule in one call."""
+    name = "ort"
+
+    def __init__(self, model, args, total_updates):
+        try:
+            from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+        except ImportError as exc:
+            raise SystemExit(f"error: --engine ort needs a working ort_trainer "
+                             f"(pip install -e '.[cpu]' from the repository root): {exc}") from exc
+        self.args = args
+        outputs = [("loss", [], True)]
+        if args.fetch_logits:
+            outputs.append(("logits", ["batch", "block", model.config.vocab_size]))
+        model_desc = {"inputs": [("input_ids", ["batch", "block"]), ("labels", ["batch", "block"])],
+                      "outputs": outputs}
+        # DecayMode.BEFORE_WEIGHT_UPDATE is torch.optim.AdamW's update; biases and LayerNorm
+        # weights get a group of their own without decay.
+        optim_config = optim.AdamConfig(
+            params=[{"params": no_decay_parameter_names(model), "lambda_coef": 0.0}],
+            lr=args.learning_rate, alpha=ADAM_BETAS[0], beta=ADAM_BETAS[1], epsilon=ADAM_EPSILON,
+            lambda_coef=args.weight_decay, weight_decay_mode=optim.DecayMode.BEFORE_WEIGHT_UPDATE,
+            **({"max_norm_clip": args.max_grad_norm} if args.max_grad_norm > 0 else {}))
+        options = ORTTrainerOptions({
+            "device": {"id": args.device},
+            "batch": {"gradient_accumulation_steps": args.gradient_accumulation_steps},
+            "lr_scheduler": optim.LinearWarmupLRScheduler(total_updates, warmup=args.warmup_steps / total_updates),
+            "utils": {"grad_norm_clip": args.max_grad_norm > 0},
+        })
+        self.trainer = ORTTrainer(model, model_desc, optim_config, loss_fn=None, options=options)
+
+    @property
+    def model(self):
+        return self.trainer.model   # its parameters are views of the trainer's weights
+
+    @property
+    def last_lr(self):
+        return self.trainer.options.lr_scheduler.get_last_lr()[0]
+
+    def train_step(self, input_ids):
+        outputs = self.trainer.train_step(input_ids=input_ids, labels=input_ids)
+        return outputs[0] if self.args.fetch_logits else outputs
+
+    def eval_step(self, input_ids):
+        outputs = self.trainer.eval_step(input_ids=input_ids, labels=input_ids)
+        return tuple(outputs) if self.args.fetch_logits else (outputs, None)
+
+    def save_checkpoint(self, path):
+        self.trainer.save_checkpoint(path)
+
+
+ENGINES = {engine.name: engine for engine in (ORTEngine, TorchEngine)}
+
+
+def evaluate(engine, blocks, batch_size):
+    """Mean loss per predicted token over ``blocks``, its perplexity, and with --fetch-logits the
+    next-token accuracy (all blocks have the same length, so batches weigh by their size)."""
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start:start + batch_size]
+        loss, logits = engine.eval_step(batch)
+        total_loss += loss.item() * len(batch)
+        if logits is not None:
+            correct += (logits[:, :-1].argmax(-1) == batch[:, 1:]).sum().item()
+    loss = total_loss / len(blocks)
+    result = {"loss": loss, "ppl": math.exp(loss)}
+    if engine.args.fetch_logits:
+        result["accuracy"] = correct / (blocks.shape[0] * (blocks.shape[1] - 1))
+    return result
+
+
+def train(engine, blocks, args, total_updates):
+    """The training loop: shuffled blocks each epoch (same order for both engines), one update per
+    ``--gradient-accumulation-steps`` micro-batches; returns the history and the timings."""
+    batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    updates_per_epoch = len(blocks.train) // (batch * accumulation)   # an epoch's leftover blocks are skipped
+    shuffle = torch.Generator().manual_seed(args.seed)
+    history = {"update_losses": [], "learning_rates": [], "update_seconds": [], "epochs": []}
+    bar = tqdm(total=total_updates, desc=args.engine, unit="update", disable=args.quiet or not sys.stderr.isatty())
+    window_loss = 0.0
+    for epoch in range(1, math.ceil(total_updates / updates_per_epoch) + 1):
+        order = torch.randperm(len(blocks.train), generator=shuffle).to(blocks.train.device)
+        for index in range(min(updates_per_epoch, total_updates - len(history["update_losses"]))):
+            start = time.perf_counter()
+            first = index * batch * accumulation
+            micro_batches = order[first:first + batch * accumulation].view(accumulation, batch)
+            loss = sum(engine.train_step(blocks.train[rows]).item() for rows in micro_batches) / accumulation
+            history["update_seconds"].append(time.perf_counter() - start)
+            history["update_losses"].append(loss)
+            history["learning_rates"].append(engine.last_lr)
+            window_loss += loss
+            bar.update()
+            update = len(history["update_losses"])
+            if update % args.logging_steps == 0:
+                ms = 1000 * sum(history["update_seconds"][-args.logging_steps:]) / args.logging_steps
+                mean = window_loss / args.logging_steps
+                if not args.quiet:
+                    tqdm.write(f"| epoch {epoch:2d} | update {update:5d}/{total_updates} | lr {engine.last_lr:.2e} "
+                               f"| ms/update {ms:7.1f} | loss {mean:6.3f} | ppl {math.exp(mean):9.2f} |")
+                window_loss = 0.0
+        if args.eval_each_epoch:
+            result = evaluate(engine, blocks.eval, args.per_device_eval_batch_size)
+            history["epochs"].append({"epoch": epoch, "updates": len(history["update_losses"]), **result})
+            tqdm.write(f"| end of epoch {epoch:2d} | eval loss {result['loss']:6.3f} | eval ppl {result['ppl']:9.2f} |")
+    bar.close()
+    return history
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_model_and_tokenizer(args, train_lines):
+    """The pretrained GPT-2 and its tokenizer (--model_name_or_path), or a small GPT-2 from scratch
+    with a BPE tokenizer trained on the training text. The model comes back in train mode."""
+    dropout = {} if args.dropout is None else {key: args.dropout for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if args.model_name_or_path:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+            model = GPT2LMHeadModel.from_pretrained(args.model_name_or_path, **dropout)
+        except (OSError, ValueError) as exc:   # not a model folder, no network, not a GPT-2 checkpoint
+            where = "" if Path(args.model_name_or_path).is_dir() else "no such folder, and from the Hugging Face hub: "
+            raise SystemExit(f"error: --model_name_or_path {args.model_name_or_path}: {where}{exc}") from exc
+        if args.block_size > model.config.n_positions:
+            raise SystemExit(f"error: --block-size {args.block_size} exceeds the model's "
+                             f"{model.config.n_positions} positions")
+    else:
+        tokenizer = train_tokenizer(train_lines, args.vocab_size)
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=args.block_size, n_embd=args.n_embd,
+                            n_layer=args.n_layer, n_head=args.n_head, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, **dropout)
+        model = GPT2LMHeadModel(config)
+    return model.train(), tokenizer   # from_pretrained() returns eval mode: dropout would be off
+
+
+def save_model(engine, tokenizer, output_dir):
+    """The engine's checkpoint, and the trained model + tokenizer as a Hugging Face folder
+    (reloadable with --model_name_or_path)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    engine.save_checkpoint(output_dir / f"checkpoint.{engine.name}.pt")
+    engine.model.save_pretrained(output_dir / "model")
+    tokenizer.save_pretrained(output_dir / "model")
+
+
+def _int_at_least(minimum):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _float_in(low, high, high_open=False):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low <= value and (value < high if high_open else value <= high)):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}{')' if high_open else ']'}, got {value}")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m examples.gpt2", description=__doc__.split("\n")[0])
+
+    def option(name, **kwargs):
+        """``--some-flag``, also spelled ``--some_flag`` as in Hugging Face's scripts."""
+        p.add_argument(f"--{name}", *([f"--{name.replace('-', '_')}"] if "-" in name else []), **kwargs)
+
+    option("engine", choices=sorted(ENGINES), default="ort", help="who does the training step (default: ort)")
+    option("model-name-or-path", help="pretrained GPT-2: a Hugging Face hub name or a local folder "
+           "(default: a small GPT-2 from scratch with a BPE tokenizer trained on --train-file)")
+    option("train-file", type=Path, help=f"training text (default: {DEFAULT_DATA})")
+    option("eval-file", type=Path, help="evaluation text (default: the last --validation-split-percentage "
+           "of the training blocks)")
+    option("validation-split-percentage", type=_float_in(0, 100, high_open=True), default=10.0)
+    option("block-size", type=_int_at_least(2), default=128, help="tokens per training example")
+    option("vocab-size", type=_int_at_least(257), default=4096, help="BPE vocabulary size (from scratch)")
+    option("n-layer", type=_int_at_least(1), help="from scratch (default 4)")
+    option("n-head", type=_int_at_least(1), help="from scratch (default 4)")
+    option("n-embd", type=_int_at_least(1), help="from scratch (default 256)")
+    option("dropout", type=_float_in(0, 1, high_open=True),
+           help="resid/embd/attn dropout (default: the model's, 0.1 for GPT-2); 0 for exact engine parity")
+    option("per-device-train-batch-size", type=_int_at_least(1), default=8)
+    option("per-device-eval-batch-size", type=_int_at_least(1), default=16)
+    option("gradient-accumulation-steps", type=_int_at_least(1), default=1,
+           help="micro-batches per update; their gradients are summed, as ORTTrainer does")
+    option("learning-rate", type=_float_in(0, math.inf), help="peak AdamW lr (default: 5e-5 with "
+           "--model_name_or_path, as Hugging Face's Trainer; 1e-3 from scratch)")
+    option("weight-decay", type=_float_in(0, math.inf), default=0.01, help="AdamW decay, not on biases and LayerNorm")
+    option("warmup-steps", type=_int_at_least(0), default=0, help="updates of linear lr warmup, then linear decay to 0")
+    option("max-grad-norm", type=_float_in(0, math.inf), default=1.0, help="global gradient-norm clip (0: off)")
+    option("num-train-epochs", type=_int_at_least(1), default=1)
+    option("max-steps", type=_int_at_least(1), help="stop after this many updates (overrides --num-train-epochs)")
+    option("logging-steps", type=_int_at_least(1), default=50, help="a log line every N updates")
+    option("eval-each-epoch", action="store_true", help="also evaluate after every epoch")
+    option("fetch-logits", action="store_true", help="ORT: declare the logits as an output too, returned by "
+           "every step (costs their memory and copy); evaluation then reports next-token accuracy")
+    option("seed", type=int, default=42, help="model initialisation, dropout and data order")
+    option("device", choices=["cpu", "cuda"], default="cpu")
+    option("output-dir", type=Path, help="write checkpoint.<engine>.pt, model/ (save_pretrained) and metrics.json")
+    option("quiet", action="store_true", help="no progress bar and no log lines")
+    args = p.parse_args(argv)
+
+    scratch_flags = [flag for flag in ("n_layer", "n_head", "n_embd") if getattr(args, flag) is not None]
+    if args.model_name_or_path and scratch_flags:
+        p.error(f"--{scratch_flags[0].replace('_', '-')} applies only to a model from scratch, "
+                f"not with --model_name_or_path {args.model_name_or_path}")
+    args.n_layer, args.n_head, args.n_embd = args.n_layer or 4, args.n_head or 4, args.n_embd or 256
+    if not args.model_name_or_path and args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if args.learning_rate is None:
+        args.learning_rate = 5e-5 if args.model_name_or_path else 1e-3
+    if args.train_file is None:
+        if not DEFAULT_DATA.is_file():
+            p.error(f"no training text: pass --train-file FILE ({DEFAULT_DATA} does not exist)")
+        args.train_file = DEFAULT_DATA
+    for flag in ("train_file", "eval_file"):
+        path = getattr(args, flag)
+        if path is not None and not path.is_file():
+            p.error(f"--{flag.replace('_', '-')} {path}: no such file")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: PyTorch sees no CUDA device")
+    return args
+
+
+def main(argv=None):
+    wall_start = time.perf_counter()
+    args = parse_args(argv)
+    train_lines = read_lines(args.train_file)
+    eval_lines = read_lines(args.eval_file) if args.eval_file else None
+    seed_everything(args.seed)   # before the model exists: both engines start from the same weights
+    model, tokenizer = build_model_and_tokenizer(args, train_lines)
+    device = torch.device(args.device)
+    try:
+        blocks = load_blocks(tokenizer, train_lines, eval_lines, args.block_size,
+                             args.validation_split_percentage / 100)
+    except DataError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    blocks = type(blocks)(*(part.to(device) for part in blocks))
+    per_update = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    updates_per_epoch = len(blocks.train) // per_update
+    if updates_per_epoch == 0:
+        raise SystemExit(f"error: one update takes --per-device-train-batch-size {args.per_device_train_batch_size} x "
+                         f"--gradient-accumulation-steps {args.gradient_accumulation_steps} = {per_update} blocks, "
+                         f"but there are only {len(blocks.train)} training blocks")
+    total_updates = args.max_steps or args.num_train_epochs * updates_per_epoch
+    if args.warmup_steps >= total_updates:
+        raise SystemExit(f"error: --warmup-steps {args.warmup_steps} must be below the run's {total_updates} updates")
+
+    config = model.config
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"| {args.engine} on {device} | GPT-2 {config.n_layer} layers, {config.n_embd} dims, {config.n_head} heads, "
+          f"{parameters / 1e6:.2f}M params | vocab {config.vocab_size} | block {args.block_size} | train "
+          f"{len(blocks.train)} blocks -> {updates_per_epoch} updates/epoch, {total_updates} in all "
+          f"| eval {len(blocks.eval)} blocks |")
+    engine = ENGINES[args.engine](model.to(device), args, total_updates)
+    train_start = time.perf_counter()
+    history = train(engine, blocks, args, total_updates)
+    train_time = time.perf_counter() - train_start
+    if args.output_dir:   # before evaluating: the trained weights are safe whatever happens next
+        save_model(engine, tokenizer, args.output_dir)
+    result = evaluate(engine, blocks.eval, args.per_device_eval_batch_size)
+    seconds = history["update_seconds"]
+    print("=" * 89)
+    accuracy = f" accuracy {result['accuracy']:.3f} |" if "accuracy" in result else ""
+    print(f"| end of training | {len(seconds)} updates in {train_time:.1f}s | first {seconds[0]:.2f}s | "
+          f"median {1000 * statistics.median(seconds[1:] or seconds):.1f} ms/update | eval loss {result['loss']:6.3f} "
+          f"| eval ppl {result['ppl']:9.2f} |{accuracy}")
+    print("=" * 89)
+
+    metrics = {
+        "engine": args.engine, "device": str(device), "model": args.model_name_or_path or "scratch",
+        "config": {key: getattr(config, key) for key in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")},
+        "parameters": parameters, "block_size": args.block_size, "train_blocks": len(blocks.train),
+        "eval_blocks": len(blocks.eval), "updates": len(seconds),
+        "first_update_s": seconds[0], "median_update_ms": 1000 * statistics.median(seconds[1:] or seconds),
+        "train_time_s": train_time, "eval": result, **history, "wall_time_s": time.perf_counter() - wall_start,
+    }
+    if args.output_dir:
+        (args.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
