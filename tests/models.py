@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from examples.wikitext2.model import TransformerModel
+from examples.wikitext2.train import DEFAULT_DATA
 
 VOCAB = 50
 
@@ -127,3 +128,16 @@ def torch_loop(model, loss_fn, batches, make_optimizer, max_norm=None, lamb=None
                     p.copy_(torch.from_numpy(w))
         losses.append(loss.item())
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def shared_text_slice(tmp_path_factory, lines):
+    """The first `lines` lines of the shared WikiText-2 text in a file of their own (the test is
+    skipped where ../shared is missing)."""
+    import pytest
+
+    if not DEFAULT_DATA.is_file():
+        pytest.skip("shared WikiText-2 text not available")
+    path = tmp_path_factory.mktemp("wikitext") / "slice.txt"
+    with open(DEFAULT_DATA, encoding="utf-8") as source:
+        path.write_text("".join(next(source) for _ in range(lines)), encoding="utf-8")
+    return path

@@ -6,19 +6,16 @@ import torch
 
 from examples.wikitext2.data import batchify, get_batch, load_corpus
 from examples.wikitext2.model import TransformerModel
-from examples.wikitext2.train import ENGINES, DEFAULT_DATA, main, make_loss_fn, parse_args
+from examples.wikitext2.train import ENGINES, main, make_loss_fn, parse_args
+
+from . import models
 
 LINES = 1500
 
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
-    if not DEFAULT_DATA.is_file():
-        pytest.skip("shared WikiText-2 text not available")
-    path = tmp_path_factory.mktemp("wikitext") / "slice.txt"
-    with open(DEFAULT_DATA, encoding="utf-8") as source:
-        path.write_text("".join(next(source) for _ in range(LINES)), encoding="utf-8")
-    return path
+    return models.shared_text_slice(tmp_path_factory, LINES)
 
 
 def per_batch_losses(engine_name, text, batches):

@@ -7,8 +7,10 @@ import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from examples.gpt2.data import END_OF_TEXT, load_blocks, read_lines, tokenize, train_tokenizer
-from examples.gpt2.train import DEFAULT_DATA, linear_warmup_factor, main, no_decay_parameter_names
+from examples.gpt2.train import linear_warmup_factor, main, no_decay_parameter_names
 from ort_trainer import optim
+
+from . import models
 
 LINES = 300
 TINY = ["--block-size", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--vocab-size", "500",
@@ -17,12 +19,7 @@ TINY = ["--block-size", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
-    if not DEFAULT_DATA.is_file():
-        pytest.skip("shared WikiText-2 text not available")
-    path = tmp_path_factory.mktemp("wikitext") / "slice.txt"
-    with open(DEFAULT_DATA, encoding="utf-8") as source:
-        path.write_text("".join(next(source) for _ in range(LINES)), encoding="utf-8")
-    return path
+    return models.shared_text_slice(tmp_path_factory, LINES)
 
 
 def test_blocks_are_the_concatenated_ids_and_the_last_tenth_is_held_out():
