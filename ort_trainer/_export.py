@@ -10,13 +10,11 @@ import warnings
 import onnx
 import torch
 
-from ._flat import graph_name
 from ._binding import BindingError, select_outputs, training_flags_kept
+from ._flat import graph_name
 from ._graph import parameters_as_inputs
 from ._hf_compat import export_patches
 from ._symbolics import register_symbolics
-
-
 
 # What the exporter says about itself while we use it on purpose: the TorchScript exporter's
 # deprecation, and its notes on training-mode export. Other warnings (the model's own, torch's
@@ -134,16 +132,24 @@ def eval_graph_differs(graph, model, loss_fn, binding, values, output_names, fet
     return None
 
 
-def _export(module, args, buffer, **kwargs):
+def _export(module, args, **kwargs):
     """torch.onnx.export (TorchScript) with our symbolics and the Hugging Face patches, every
-    train/eval flag kept."""
+    train/eval flag kept; returns the serialized model. Our own errors pass as they are, the
+    exporter's become an ExportError naming the operator."""
     register_symbolics()
-    with training_flags_kept(module), warnings.catch_warnings(), export_patches(module):
-        for message in _EXPORTER_NOTICES:
-            warnings.filterwarnings("ignore", message=message)
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        torch.onnx.export(module, tuple(args), buffer, dynamo=False, do_constant_folding=False,
-                          export_params=True, **kwargs)
+    buffer = io.BytesIO()
+    try:
+        with training_flags_kept(module), warnings.catch_warnings(), export_patches(module):
+            for message in _EXPORTER_NOTICES:
+                warnings.filterwarnings("ignore", message=message)
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+            torch.onnx.export(module, tuple(args), buffer, dynamo=False, do_constant_folding=False,
+                              export_params=True, **kwargs)
+    except (ExportError, BindingError):
+        raise
+    except Exception as error:
+        raise ExportError(_describe_export_failure(error)) from error
+    return buffer.getvalue()
 
 
 def export_training_model(model, loss_fn, binding, output_names, values, opset_version, dynamic_axes=None):
@@ -155,15 +161,9 @@ def export_training_model(model, loss_fn, binding, output_names, values, opset_v
     """
     names, tensors = present_inputs(values)
     wrapper = TracedStep(model, loss_fn, binding, names, output_names)
-    buffer = io.BytesIO()
-    try:
-        _export(wrapper, tensors, buffer, input_names=names, output_names=list(output_names),
-                dynamic_axes=dynamic_axes, training=torch.onnx.TrainingMode.PRESERVE, opset_version=opset_version)
-    except (ExportError, BindingError):
-        raise
-    except Exception as error:
-        raise ExportError(_describe_export_failure(error)) from error
-    return onnx.load_from_string(buffer.getvalue())
+    return onnx.load_from_string(_export(
+        wrapper, tensors, input_names=names, output_names=list(output_names), dynamic_axes=dynamic_axes,
+        training=torch.onnx.TrainingMode.PRESERVE, opset_version=opset_version))
 
 
 class TrainingExports:
@@ -187,7 +187,7 @@ class TrainingExports:
 
     def get(self, values, flags):
         """(ONNX model for these inputs, whether it must be proven against torch before use)."""
-        key = (tuple(name for name, value in values.items() if value is not None), flags)
+        key = _kind(values, flags)
         if key not in self._templates:
             dynamic = {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)}
                        for spec in self._input_specs if values[spec.name] is not None}
@@ -206,11 +206,16 @@ class TrainingExports:
 
     def reject(self, values, flags):
         """The derived graph failed its proof: trace every shape of this kind from now on."""
-        self._templates[(tuple(name for name, value in values.items() if value is not None), flags)] = None
+        self._templates[_kind(values, flags)] = None
 
     def _export(self, values, dynamic_axes):
         return export_training_model(self._model, self._loss_fn, self._binding, self._output_names, values,
                                      self._opset, dynamic_axes)
+
+
+def _kind(values, flags):
+    """What one symbolic export serves: which inputs are given, and the train/eval flags."""
+    return tuple(present_inputs(values)[0]), flags
 
 
 def with_input_shapes(template, values):
@@ -268,15 +273,8 @@ def export_inference_model(model, binding, input_specs, output_names, values, op
 def _export_eval(wrapper, input_names, output_names, sample_inputs, input_specs, dynamic_dims, opset_version):
     dynamic_axes = {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if dim in dynamic_dims}
                     for spec in input_specs}
-    buffer = io.BytesIO()
-    try:
-        _export(wrapper, sample_inputs, buffer, input_names=input_names, output_names=list(output_names),
-                dynamic_axes=dynamic_axes, training=torch.onnx.TrainingMode.EVAL, opset_version=opset_version)
-    except (ExportError, BindingError):
-        raise
-    except Exception as error:
-        raise ExportError(_describe_export_failure(error)) from error
-    return buffer.getvalue()
+    return _export(wrapper, sample_inputs, input_names=input_names, output_names=list(output_names),
+                   dynamic_axes=dynamic_axes, training=torch.onnx.TrainingMode.EVAL, opset_version=opset_version)
 
 
 def _probe_inputs(input_specs, sample_inputs, dim):

@@ -219,6 +219,25 @@ def _reduce_mean(name, data, axes, opset):
             make("ReduceMean", [data, name + "_axes"], [name], name=name, keepdims=1)]
 
 
+def _grouped(p, x):
+    """Nodes viewing x [N, C, ...] as p + 'grouped' [N, C, -1]: per-channel work for any rank."""
+    return [int64_constant(p + "grouped_shape", [0, 0, -1]),
+            onnx.helper.make_node("Reshape", [x, p + "grouped_shape"], [p + "grouped"], name=p + "grouped")]
+
+
+def _channel_affine(p, grouped, scale, bias, x, output):
+    """Nodes of `output` = grouped * scale[c] + bias[c] (scale, bias: [C]; grouped: x as [N, C, -1])
+    in x's shape."""
+    make = onnx.helper.make_node
+    return [int64_constant(p + "channel_shape", [-1, 1]),
+            make("Reshape", [scale, p + "channel_shape"], [p + "channel_scale"], name=p + "channel_scale"),
+            make("Reshape", [bias, p + "channel_shape"], [p + "channel_bias"], name=p + "channel_bias"),
+            make("Mul", [grouped, p + "channel_scale"], [p + "scaled"], name=p + "scaled"),
+            make("Add", [p + "scaled", p + "channel_bias"], [p + "shifted"], name=p + "shifted"),
+            make("Shape", [x], [p + "input_shape"], name=p + "input_shape"),
+            make("Reshape", [p + "shifted", p + "input_shape"], [output], name=p + "output")]
+
+
 def decompose_instance_normalization(model):
     """Rewrites every InstanceNormalization into ops that have gradients, in place.
 
@@ -241,8 +260,7 @@ def decompose_instance_normalization(model):
         epsilon = np.array(node_attributes(node).get("epsilon", 1e-5),
                            onnx.helper.tensor_dtype_to_np_dtype(element_type))
         p = f"{node.name or node.output[0]}/"
-        nodes += [int64_constant(p + "grouped_shape", [0, 0, -1]),
-                  make("Reshape", [x, p + "grouped_shape"], [p + "grouped"], name=p + "grouped"),
+        nodes += [*_grouped(p, x),
                   *_reduce_mean(p + "mean", p + "grouped", [2], opset),
                   make("Sub", [p + "grouped", p + "mean"], [p + "centered"], name=p + "centered"),
                   make("Mul", [p + "centered", p + "centered"], [p + "squared"], name=p + "squared"),
@@ -252,13 +270,7 @@ def decompose_instance_normalization(model):
                   make("Add", [p + "variance", p + "epsilon"], [p + "variance_epsilon"], name=p + "variance_epsilon"),
                   make("Sqrt", [p + "variance_epsilon"], [p + "deviation"], name=p + "deviation"),
                   make("Div", [p + "centered", p + "deviation"], [p + "normalized"], name=p + "normalized"),
-                  int64_constant(p + "channel_shape", [-1, 1]),
-                  make("Reshape", [scale, p + "channel_shape"], [p + "channel_scale"], name=p + "channel_scale"),
-                  make("Reshape", [bias, p + "channel_shape"], [p + "channel_bias"], name=p + "channel_bias"),
-                  make("Mul", [p + "normalized", p + "channel_scale"], [p + "scaled"], name=p + "scaled"),
-                  make("Add", [p + "scaled", p + "channel_bias"], [p + "shifted"], name=p + "shifted"),
-                  make("Shape", [x], [p + "input_shape"], name=p + "input_shape"),
-                  make("Reshape", [p + "shifted", p + "input_shape"], list(node.output), name=p + "output")]
+                  *_channel_affine(p, p + "normalized", scale, bias, x, node.output[0])]
         rewritten += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -333,8 +345,7 @@ def inference_batch_norm_as_primitives(model):
     Why: ORT's gradient builder turns every BatchNormalization into its training kernel
     (BatchNormInternal, batch statistics), so a BatchNorm the user put in eval mode would train
     on batch statistics. Same math as the node: with a = scale / sqrt(var + epsilon) and
-    b = bias - mean * a (both [C], reshaped to [C, 1, ...] for X's rank), Y = X * a + b.
-    Returns the number of nodes replaced.
+    b = bias - mean * a (both [C]), Y = X * a[c] + b[c]. Returns the number of nodes replaced.
     """
     make, nodes, replaced = onnx.helper.make_node, [], 0
     for node in model.graph.node:
@@ -352,18 +363,8 @@ def inference_batch_norm_as_primitives(model):
                   make("Div", [scale, p + "std"], [p + "a"]),
                   make("Mul", [mean, p + "a"], [p + "mean_a"]),
                   make("Sub", [bias, p + "mean_a"], [p + "b"]),
-                  # [C] -> [C, 1, ..., 1]: -1, then a 1 for each of X's dims after the channel
-                  make("Shape", [x], [p + "x_shape"]),
-                  int64_constant(p + "two", [2]), int64_constant(p + "end", [2**62]), int64_constant(p + "zero", 0),
-                  int64_constant(p + "one", 1), int64_constant(p + "channels", [-1]),
-                  make("Slice", [p + "x_shape", p + "two", p + "end"], [p + "spatial"]),
-                  make("Mul", [p + "spatial", p + "zero"], [p + "spatial_zeros"]),
-                  make("Add", [p + "spatial_zeros", p + "one"], [p + "spatial_ones"]),
-                  make("Concat", [p + "channels", p + "spatial_ones"], [p + "param_shape"], axis=0),
-                  make("Reshape", [p + "a", p + "param_shape"], [p + "a_nd"]),
-                  make("Reshape", [p + "b", p + "param_shape"], [p + "b_nd"]),
-                  make("Mul", [x, p + "a_nd"], [p + "scaled"]),
-                  make("Add", [p + "scaled", p + "b_nd"], [node.output[0]])]
+                  *_grouped(p, x),
+                  *_channel_affine(p, p + "grouped", p + "a", p + "b", x, node.output[0])]
         replaced += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)
