@@ -24,11 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _checkpoint
+from . import _checkpoint, _kernels
 from ._flat import FlatLayout, GroupSlice, as_torch
 from ._optim_cpu import sum_of_squares
 from ._optim_reference import clip_divisor_from_norm
 from ._optimizers import Lamb, clip_divisor, make_optimizer
+from ._session import torch_device
 
 _HOW_TO_START = ("call torch.distributed.init_process_group() before creating the ORTTrainer (backend 'gloo' "
                  "on CPU, 'nccl' on GPU), or launch with torchrun")
@@ -41,7 +42,7 @@ def setup(options):
     explicitly must agree with it, and local_rank with torchrun's LOCAL_RANK.
     """
     settings = options.distributed
-    device = torch.device(options.device.id).type
+    device = torch_device(options.device.id)
     zero = settings.deepspeed_zero_optimization.stage == 1
     if zero and options.device.id != "cpu":
         raise NotImplementedError(f"distributed.deepspeed_zero_optimization.stage=1 runs on the CPU only for now, "
@@ -82,17 +83,22 @@ def _collective(what, operation, *args, **kwargs):
 
 
 class SingleProcess:
-    """One process: no communication. ``device`` ('cpu' or 'cuda', from options.device.id) picks
-    the optimizer's implementation and the clip divisor's."""
+    """One process: no communication. ``torch_device`` (options.device.id, with its index) picks
+    the optimizer's implementation and the clip divisor's; CUDA buffers are made on its device
+    (the trainer's ``Placement.allocating``)."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, torch_device):
+        self.torch_device = torch_device
+        self.device = torch_device.type
+        self._clip_buffers = None  # CUDA: the clip's device scratch, made once
 
     def reduce_gradients(self, grads, accumulated):
         pass
 
     def clip_divisor(self, grads, max_norm, loss_scale):
-        return clip_divisor(grads, max_norm, loss_scale, self.device)
+        if self.device == "cuda" and self._clip_buffers is None:
+            self._clip_buffers = _kernels.clip_buffers(grads.size, self.torch_device.index)
+        return clip_divisor(grads, max_norm, loss_scale, self.device, self._clip_buffers)
 
     def make_optimizer(self, config_name, flat):
         """The optimizer of ``flat``'s layout on this strategy's device."""
@@ -134,7 +140,7 @@ class DataParallel(SingleProcess):
         """Rank 0 writes ``path`` (``state`` holds the full optimizer state, under ZeRO gathered
         from every rank). Returns on every rank once it is written, or raises on
         every rank if writing failed."""
-        failed = torch.zeros(self.world_size, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        failed = torch.zeros(self.world_size, device=self.torch_device if dist.get_backend() == "nccl" else "cpu")
         try:
             if self.rank == 0:
                 _checkpoint.save(path, state)

@@ -4,6 +4,7 @@ Everything exporter-specific lives here so that a torch.export based path can re
 TorchScript exporter (deprecated upstream) without touching the rest of the trainer.
 """
 import io
+import itertools
 import re
 import warnings
 
@@ -63,6 +64,14 @@ def present_inputs(values):
     return names, [values[name] for name in names]
 
 
+def rng_kept(model, tensors):
+    """Context restoring torch's CPU RNG and that of every CUDA device the model or the inputs
+    are on: our own forwards (probe, trace) must not shift the user's random stream."""
+    devices = {t.device.index or 0 for t in itertools.chain(tensors, model.parameters(), model.buffers())
+               if t.is_cuda}
+    return torch.random.fork_rng(devices=sorted(devices))
+
+
 def probe(model, loss_fn, binding, values, output_names):
     """One no-grad forward of model + loss as exported, every module in its own train/eval state.
 
@@ -72,11 +81,23 @@ def probe(model, loss_fn, binding, values, output_names):
     models rather than train them silently wrong. Buffers and the RNG state are restored.
     """
     names, tensors = present_inputs(values)
+    return _probed(model, tensors, TracedStep(model, loss_fn, binding, names, output_names))
+
+
+def probe_call(model, binding, values):
+    """One no-grad forward of `model` called as `binding` says, every module in its own train/eval
+    state: (what it returned, names of the buffers it changed). Buffers and the RNG are restored."""
+    names, tensors = present_inputs(values)
+    return _probed(model, tensors, lambda *tensors: binding.call_model(model, dict(zip(names, tensors))))
+
+
+def _probed(model, tensors, forward):
+    """(forward(*tensors) without grad, names of the buffers it changed), buffers and RNG restored."""
     buffers = dict(model.named_buffers())
     before = {name: b.detach().clone() for name, b in buffers.items()}
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            outputs = TracedStep(model, loss_fn, binding, names, output_names)(*tensors)
+        with rng_kept(model, tensors), torch.no_grad():
+            outputs = forward(*tensors)
         return outputs, sorted(name for name, b in buffers.items() if not torch.equal(b, before[name]))
     finally:
         with torch.no_grad():
@@ -134,12 +155,13 @@ def eval_graph_differs(graph, model, loss_fn, binding, values, output_names, fet
 
 def _export(module, args, **kwargs):
     """torch.onnx.export (TorchScript) with our symbolics and the Hugging Face patches, every
-    train/eval flag kept; returns the serialized model. Our own errors pass as they are, the
+    train/eval flag and the RNG kept; returns the serialized model. Our own errors pass as they are, the
     exporter's become an ExportError naming the operator."""
     register_symbolics()
     buffer = io.BytesIO()
     try:
-        with training_flags_kept(module), warnings.catch_warnings(), export_patches(module):
+        with training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
+                export_patches(module):
             for message in _EXPORTER_NOTICES:
                 warnings.filterwarnings("ignore", message=message)
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
@@ -296,7 +318,8 @@ def _session_outputs(serialized, names, inputs):
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 4  # a failing probe is an expected outcome, not an error to print
     session = onnxruntime.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
-    return session.run(None, {name: tensor.numpy() for name, tensor in zip(names, inputs)})
+    outputs = session.run(None, {name: tensor.cpu().numpy() for name, tensor in zip(names, inputs)})
+    return [torch.from_numpy(out) for out in outputs]
 
 
 def _runs_like_torch(serialized, names, inputs, expected):
@@ -304,12 +327,12 @@ def _runs_like_torch(serialized, names, inputs, expected):
         outputs = _session_outputs(serialized, names, inputs)
     except Exception:
         return False
-    return all(torch.allclose(torch.from_numpy(out), ref, rtol=1e-4, atol=1e-5) for out, ref in zip(outputs, expected))
+    return all(torch.allclose(out, ref.cpu(), rtol=1e-4, atol=1e-5) for out, ref in zip(outputs, expected))
 
 
 def _check_runs_like_torch(serialized, names, inputs, expected, output_names):
     outputs = _session_outputs(serialized, names, inputs)
     for name, out, ref in zip(output_names, outputs, expected):
-        difference = (torch.from_numpy(out) - ref).abs().max().item()
+        difference = (out - ref.cpu()).abs().max().item()
         if difference > 1e-5 * max(1.0, ref.abs().max().item()):
             raise ExportError(f"the exported inference model's output {name!r} differs from torch by {difference:.3g}")

@@ -433,7 +433,21 @@ def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
 # ----------------------------------------------------------------------------------------------
 
 
-def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out):
+def _partial_count(n: int) -> int:
+    """Blocks of the sum-of-squares pass over n values (each reduces 4 per thread per round)."""
+    return 0 if n == 0 else min(MAX_PARTIALS, -(-(-(-n // 4)) // BLOCK))
+
+
+def clip_buffers(n: int, device_id: int) -> dict:
+    """{'out', 'partials'}: the device scratch of ``clip_divisor`` over n gradients, made once by a
+    caller that clips every update (no allocation per update)."""
+    cp = require_cupy()
+    with cp.cuda.Device(device_id):
+        return {"out": cp.empty(3, dtype=np.float64),
+                "partials": cp.empty(max(_partial_count(n), 1), dtype=np.float64)}
+
+
+def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out, partials=None):
     """out = [sum of squares, N, S] (float64, on grads' device): two launches."""
     cp = require_cupy()
     _check_float32(cp, where, "grads", grads, None, None)
@@ -446,8 +460,14 @@ def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out):
             raise ValueError(f"{where}: out must be a contiguous float64 cupy array of shape (3,) "
                              f"on cuda:{device_id}, got {_describe(out)}")
         n = int(grads.size)
-        nparts = 0 if n == 0 else min(MAX_PARTIALS, -(-(-(-n // 4)) // BLOCK))
-        partials = cp.empty(max(nparts, 1), dtype=np.float64)
+        nparts = _partial_count(n)
+        if partials is None:
+            partials = cp.empty(max(nparts, 1), dtype=np.float64)
+        elif (not isinstance(partials, cp.ndarray) or partials.dtype != np.float64 or partials.ndim != 1
+              or partials.size < max(nparts, 1) or not partials.flags.c_contiguous
+              or partials.device.id != device_id):
+            raise ValueError(f"{where}: partials must be a contiguous 1-d float64 cupy array of at least "
+                             f"{max(nparts, 1)} elements on cuda:{device_id}, got {_describe(partials)}")
         if nparts:
             _function("clip", "ort_trainer_clip_sumsq_f32", device_id)(
                 (nparts,), (BLOCK,), (grads, np.int64(n), partials))
@@ -467,7 +487,7 @@ def sum_of_squares(grads, out=None):
     return _reduce_grads("sum_of_squares", grads, math.inf, 1.0, out)[0]
 
 
-def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None):
+def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None, partials=None):
     """The clip divisor S on the device: ``_optim_reference.clip_divisor_from_norm`` on
     N = ||grads||_2, in two launches, no host sync.
 
@@ -476,6 +496,7 @@ def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None):
         max_norm: the clip norm, > 0.
         loss_scale: the loss scale the gradients carry, > 0 (1.0 without mixed precision).
         out: optional float64 cupy array of shape (3,), filled with [N**2, N, S].
+        partials: optional float64 cupy scratch (``clip_buffers`` makes both).
 
     Returns:
         (S, N): 0-d float64 views of ``out``; pass S as ``grad_divisor`` to a step.
@@ -485,6 +506,6 @@ def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None):
         raise ValueError(f"{where}: max_norm must be > 0, got {max_norm!r}")
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"{where}: loss_scale must be finite and > 0, got {loss_scale!r}")
-    out = _reduce_grads(where, grads, float(max_norm), float(loss_scale), out)
+    out = _reduce_grads(where, grads, float(max_norm), float(loss_scale), out, partials)
     return out[2], out[1]
 

@@ -6,7 +6,7 @@
 
 CPU (BENCHMARKS.md has the measurements): one ORT arena shared by all our sessions, compacted
 with the heap around first runs; large outputs reuse the memory of outputs the caller dropped.
-CUDA: ORT's own arena per session, outputs from torch's caching allocator.
+CUDA: one ORT arena per device shared by all our sessions, outputs from torch's caching allocator.
 """
 import ctypes
 import functools
@@ -20,7 +20,7 @@ import onnxruntime
 import torch
 
 from ._graph import builder_session_options
-from ._session_config import register_shared_cpu_arena
+from ._session_config import register_shared_cpu_arena, register_shared_cuda_arena
 
 TORCH_TO_NUMPY = {
     torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -34,8 +34,12 @@ POOLED_OUTPUT_BYTES = 1 << 20
 _MAX_FREE_OUTPUT_SIZES = 2
 
 
-def memory_policy(torch_device, mem_limit):
-    return CpuMemory(mem_limit) if torch_device.type == "cpu" else CudaMemory(torch_device)
+def memory_policy(torch_device, mem_limit, providers):
+    """`providers`: the sessions' provider list (the CUDA provider's options size its arena)."""
+    if torch_device.type == "cpu":
+        return CpuMemory(mem_limit)
+    cuda_options = next(dict(entry[1]) for entry in providers if entry[0] == "CUDAExecutionProvider")
+    return CudaMemory(torch_device, cuda_options)
 
 
 class CpuMemory:
@@ -76,11 +80,14 @@ class CpuMemory:
 
 
 class CudaMemory:
-    def __init__(self, torch_device):
+    def __init__(self, torch_device, cuda_options):
+        register_shared_cuda_arena(torch_device.index, cuda_options)
         self._device = torch_device
 
     def configure(self, session_options):
-        """ORT's CUDA arena per session (a shared one is not measured yet)."""
+        """Sessions allocate from one CUDA arena per device instead of one each (up to two per
+        cached graph, each keeping its peak)."""
+        session_options.add_session_config_entry("session.use_env_allocators", "1")
 
     def output_tensor(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, device=self._device)  # torch's caching allocator

@@ -27,13 +27,17 @@ def _implementation(device: str, where: str):
     raise ValueError(f"{where}: device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, device: str = "cpu"):
+def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, device: str = "cpu", buffers=None):
     """(S, N): the divisor that unscales and clips the gradients at once, and their global norm.
 
     ``_optim_reference.clip_divisor_from_norm`` on N = ||grads||_2. Python floats on the CPU;
-    on CUDA 0-d device arrays (no host sync), S ready to pass to ``FlatOptimizer.step``.
+    on CUDA 0-d device arrays (no host sync), S ready to pass to ``FlatOptimizer.step``, written
+    into ``buffers`` (``_kernels.clip_buffers``) when given: the next call overwrites them.
     """
-    return _implementation(device, "clip_divisor")[0].clip_divisor(grads, max_norm, loss_scale)
+    implementation = _implementation(device, "clip_divisor")[0]
+    if device == "cpu":
+        return implementation.clip_divisor(grads, max_norm, loss_scale)
+    return implementation.clip_divisor(grads, max_norm, loss_scale, **(buffers or {}))
 
 
 class FlatOptimizer:

@@ -5,8 +5,9 @@ from collections import OrderedDict
 import numpy as np
 import onnxruntime
 import torch
+from onnxruntime.capi import _pybind_state as C
 
-from ._cuda import require_cuda
+from ._cuda import require_cuda, require_cuda_provider
 from ._graph import NO_GRADIENT_SUFFIX, builder_session_options
 from ._graph_cpu import substitute_cpu_kernels
 from ._memory import TORCH_TO_NUMPY, memory_policy
@@ -27,14 +28,22 @@ def _pointer(array):
 
 
 def torch_device(device_id):
-    """The torch device of options.device.id, with its index: 'cuda' is 'cuda:0' (tensors on the
-    GPU always report an index, and torch.device('cuda') != torch.device('cuda', 0))."""
+    """The torch device of options.device.id, with its index: 'cuda' is torch's current CUDA
+    device, as for tensors made with device='cuda' (tensors on the GPU always report an index,
+    and torch.device('cuda') != torch.device('cuda', 0)); cuda:0 where torch has no CUDA."""
     device = torch.device(device_id)
-    return torch.device(device.type, 0) if device.type == "cuda" and device.index is None else device
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
 
 
 class Placement:
-    """Where the graphs run: the ORT device name and index, providers and the torch device."""
+    """Where the graphs run: the ORT device name and index, providers and the torch device.
+
+    On CUDA the trainer owns one stream: ORT runs every graph on it (`user_compute_stream`,
+    without its end-of-run sync) and the CuPy clip and optimizer kernels queue behind on it;
+    `step()` orders it after the caller's current stream and the caller's stream after it.
+    """
 
     def __init__(self, options, threads):
         self._options = options
@@ -46,26 +55,54 @@ class Placement:
         self.deterministic = options.debug.deterministic_compute
         self.xp, self.stream, self.run_options = np, None, None
         self.substitute_kernels = substitute_cpu_kernels if self.ort_device == "cpu" else None
-        self.memory = memory_policy(self.torch_device, options.device.mem_limit)
         self.providers = ["CPUExecutionProvider"]
         if self.ort_device == "cuda":
             self._use_cuda()
         self.providers = provider_options_from(options, self.providers)
+        self.memory = memory_policy(self.torch_device, options.device.mem_limit, self.providers)
 
     def _use_cuda(self):
-        """One stream for everything: ORT computes on torch's current stream (so the caller's
-        inputs are ready), does not sync after a run, and the CuPy optimizer queues behind it."""
         self.xp = require_cuda(self.index)
-        self.stream = torch.cuda.current_stream(self.torch_device)
+        self.stream = torch.cuda.Stream(self.torch_device)
         self.providers = [("CUDAExecutionProvider", {
             "device_id": str(self.index), "has_user_compute_stream": "1",
             "user_compute_stream": str(self.stream.cuda_stream)}), "CPUExecutionProvider"]
         self.run_options = onnxruntime.RunOptions()
         self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
 
-    def on_stream(self):
-        """Context in which CuPy work joins the graphs' stream (nothing to do on the CPU)."""
-        return contextlib.nullcontext() if self.stream is None else self.xp.cuda.ExternalStream(self.stream.cuda_stream)
+    def allocating(self):
+        """Context in which new CuPy buffers land on this device (flat buffers, optimizer state)."""
+        return contextlib.nullcontext() if self.stream is None else self.xp.cuda.Device(self.index)
+
+    @contextlib.contextmanager
+    def step(self):
+        """Context of one step's device work (graph, all-reduce, clip, update) on the trainer's
+        stream, ordered after the caller's current stream (its inputs are ready) and before it
+        (its next work, the outputs' `.item()`, sees the results). Nothing to do on the CPU."""
+        if self.stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.torch_device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream), self.xp.cuda.Device(self.index), \
+                self.xp.cuda.ExternalStream(self.stream.cuda_stream, self.index):
+            yield
+        caller.wait_stream(self.stream)
+
+    def returned(self, outputs):
+        """The step's outputs, handed to the caller's stream: allocated on the trainer's stream,
+        their memory is not reused before the caller's work queued on them is done."""
+        if self.stream is not None:
+            caller = torch.cuda.current_stream(self.torch_device)
+            for tensor in outputs:
+                tensor.record_stream(caller)
+        return outputs
+
+    def check_providers(self, session):
+        """A CUDA session ONNX Runtime silently built for the CPU (its CUDA provider library failed
+        to load) would fail later, obscurely, on device pointers: refused here, by name."""
+        if self.stream is not None:
+            require_cuda_provider(session.get_providers())
 
     def session_options(self):
         options = builder_session_options()
@@ -80,6 +117,16 @@ class Placement:
     def bind(self, binding, name, is_output, dtype, shape, pointer):
         bind = binding.bind_output if is_output else binding.bind_input
         bind(name, self.ort_device, self.index, dtype, list(shape), pointer)
+
+    def bind_tensor(self, binding, name, is_output, tensor):
+        """Binds a torch tensor in place: by pointer, or through DLPack for the dtypes NumPy lacks
+        (bfloat16), which ONNX Runtime's pointer binding cannot name."""
+        dtype = TORCH_TO_NUMPY.get(tensor.dtype)
+        if dtype is not None:
+            self.bind(binding, name, is_output, dtype, tensor.shape, tensor.data_ptr())
+            return
+        value = onnxruntime.OrtValue(C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False))
+        (binding.bind_ortvalue_output if is_output else binding.bind_ortvalue_input)(name, value)
 
 
 class CompiledGraph:
@@ -110,6 +157,7 @@ class CompiledGraph:
             session = onnxruntime.InferenceSession(
                 self._graphs.pop(training), self._placement.session_options(),
                 providers=self._placement.providers)
+            self._placement.check_providers(session)
             binding = session.io_binding()
             graph_inputs = {i.name for i in session.get_inputs()}
             for name in self._flat.names:  # and its alias read without a gradient (embedding padding rows)
@@ -122,8 +170,7 @@ class CompiledGraph:
                     self._placement.bind(binding, name, False, array.dtype, array.shape, _pointer(array))
             for name, tensor in self._frozen.items():
                 if name in graph_inputs:
-                    self._placement.bind(binding, name, False, TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
-                                         tensor.data_ptr())
+                    self._placement.bind_tensor(binding, name, False, tensor)
             outputs = {o.name: o for o in session.get_outputs()}
             specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], outputs[name].shape) for name in self._output_names]
             self._sessions[training] = (session, binding, graph_inputs, specs)
@@ -153,12 +200,11 @@ class CompiledGraph:
         for name in self._input_names:
             tensor = inputs[name]
             if name in graph_inputs:
-                self._placement.bind(binding, name, False, TORCH_TO_NUMPY[tensor.dtype], tensor.shape,
-                                     tensor.data_ptr())
+                self._placement.bind_tensor(binding, name, False, tensor)
         outputs = []
         for name, (dtype, shape) in zip(self._output_names, specs):
             tensor = self._placement.memory.output_tensor(shape, dtype)
-            self._placement.bind(binding, name, True, TORCH_TO_NUMPY[dtype], shape, tensor.data_ptr())
+            self._placement.bind_tensor(binding, name, True, tensor)
             outputs.append(tensor)
         session.run_with_iobinding(binding, self._placement.run_options)
         if first_run:  # ORT allocated this run tensor by tensor; later runs take one planned block

@@ -121,6 +121,33 @@ def register_shared_cpu_arena(mem_limit):
                          "device.mem_limit")
 
 
+# CUDA provider options that size the arena; the shared one is created with the first trainer's.
+_CUDA_ARENA_OPTIONS = ("gpu_mem_limit", "arena_extend_strategy")
+_registered_cuda_arenas = {}  # device index -> the arena options it was created with
+
+
+def register_shared_cuda_arena(index, cuda_options):
+    """Registers one CUDA arena for device `index`, shared by our sessions there, once.
+
+    `cuda_options`: the sessions' CUDA provider options; their `gpu_mem_limit` (device.mem_limit
+    or provider_options) and `arena_extend_strategy` configure the shared arena, since a session on
+    it has no arena of its own. A later trainer asking for other settings on that device is
+    refused, as for the CPU arena (ONNX Runtime cannot change a registered arena).
+    """
+    arena = {key: str(cuda_options[key]) for key in _CUDA_ARENA_OPTIONS if key in cuda_options}
+    registered = _registered_cuda_arenas.get(index)
+    if registered is None:
+        memory = onnxruntime.OrtMemoryInfo("Cuda", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, index,
+                                           onnxruntime.OrtMemType.DEFAULT)
+        onnxruntime.create_and_register_allocator_v2(CUDA_PROVIDER, memory, {"device_id": str(index), **arena},
+                                                     None)
+        _registered_cuda_arenas[index] = arena
+    elif arena != registered:
+        raise ValueError(f"Invalid options: CUDA arena settings {arena} (device.mem_limit, provider_options), but "
+                         f"this process's arena on cuda:{index}, shared by every trainer, was created with {registered} "
+                         "by an earlier trainer and ONNX Runtime cannot change it; give every trainer the same settings")
+
+
 # debug.graph_save_paths field -> the graph it writes (the original's names; this library has no
 # optimizer in the graph, so its gradient graph and its training graph are the same graph)
 _SAVED_GRAPHS = {

@@ -96,7 +96,8 @@ class ORTTrainer:
         self._placement = Placement(options, torch.get_num_threads())
         self._inputs = InputChecks(desc, self._binding, self._placement.torch_device)
         self._lr_scheduler = options.lr_scheduler
-        self._loss_scaler, self._loss_scale = _loss_scaling(options, self._placement.xp)
+        with self._placement.allocating():
+            self._loss_scaler, self._loss_scale = _loss_scaling(options, self._placement.xp)
         self._graphs = GraphCache(options.utils.max_cached_graphs)
         self._exports = _export.TrainingExports(model, loss_fn, self._binding, desc.inputs, desc.output_names,
                                                 options._internal_use.onnx_opset_version)
@@ -118,27 +119,29 @@ class ORTTrainer:
                           "so it trains as torch would in eval mode: dropout off, norm layers on running "
                           "statistics. Call model.train() to train with dropout (from_pretrained() returns "
                           "models in eval mode)")
-        graph = self._graph_for(signature, inputs, self._fetched_outputs("train_step"), training=True)
-        accumulation = self.options.batch.gradient_accumulation_steps
-        micro_step = self._train_step_info.step % accumulation
-        if micro_step == 0:
-            outputs = graph.run(True, inputs, self._flat.grads)
-            self._distributed.reduce_gradients(self._flat.grads, accumulated=False)
-        else:
-            outputs = graph.run(True, inputs, self._accumulation_scratch())
-            self._distributed.reduce_gradients(self._scratch, accumulated=False)
-            with self._placement.on_stream():
+        with self._placement.step():
+            graph = self._graph_for(signature, inputs, self._fetched_outputs("train_step"), training=True)
+            accumulation = self.options.batch.gradient_accumulation_steps
+            micro_step = self._train_step_info.step % accumulation
+            if micro_step == 0:
+                outputs = graph.run(True, inputs, self._flat.grads)
+                self._distributed.reduce_gradients(self._flat.grads, accumulated=False)
+            else:
+                outputs = graph.run(True, inputs, self._accumulation_scratch())
+                self._distributed.reduce_gradients(self._scratch, accumulated=False)
                 self._flat.grads += self._scratch
-        self._train_step_info.step += 1
-        if micro_step == accumulation - 1:
-            self._distributed.reduce_gradients(self._flat.grads, accumulated=True)
-            self._update()
+            self._train_step_info.step += 1
+            if micro_step == accumulation - 1:
+                self._distributed.reduce_gradients(self._flat.grads, accumulated=True)
+                self._update()
+        outputs = self._placement.returned(outputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _accumulation_scratch(self):
         """Where micro-steps after the first write their gradients before adding them up."""
         if self._scratch is None:
-            self._scratch = self._flat.grads.copy()
+            with self._placement.allocating():
+                self._scratch = self._flat.grads.copy()
         return self._scratch
 
     def _update(self):
@@ -149,15 +152,14 @@ class ORTTrainer:
         lr = self._lr_scheduler._step(info)[0] if self._lr_scheduler is not None else self.optim_config.lr
         clip = self.options.utils.grad_norm_clip
         divisor, info.all_finite = 1.0, True
-        with self._placement.on_stream():
-            if clip or self._loss_scaler is not None:
-                loss_scale = float(self._loss_scale) if self._loss_scaler is not None else 1.0
-                max_norm = self.optim_config.max_norm_clip if clip else math.inf
-                divisor, norm = self._distributed.clip_divisor(self._flat.grads, max_norm, loss_scale)
-                info.all_finite = self._loss_scaler is None or math.isfinite(norm)  # a host sync, only then
-            if info.all_finite:
-                self._optimizer.step(self._flat.params, self._flat.grads, lr, divisor)
-                info.optimization_step += 1
+        if clip or self._loss_scaler is not None:
+            loss_scale = self._loss_scaler.loss_scale if self._loss_scaler is not None else 1.0
+            max_norm = self.optim_config.max_norm_clip if clip else math.inf
+            divisor, norm = self._distributed.clip_divisor(self._flat.grads, max_norm, loss_scale)
+            info.all_finite = self._loss_scaler is None or math.isfinite(norm)  # a host sync, only then
+        if info.all_finite:
+            self._optimizer.step(self._flat.params, self._flat.grads, lr, divisor)
+            info.optimization_step += 1
         if self._loss_scaler is not None:
             self._loss_scale[...] = self._loss_scaler.update(info)
 
@@ -170,8 +172,10 @@ class ORTTrainer:
     def eval_step(self, *args, **kwargs):
         """Forward and loss with dropout off; no gradient, no update, no step counted."""
         inputs, signature = self._inputs.check("eval_step", args, kwargs)
-        graph = self._graph_for(signature, inputs, self._fetched_outputs("eval_step"), training=False)
-        outputs = graph.run(False, inputs)
+        with self._placement.step():
+            graph = self._graph_for(signature, inputs, self._fetched_outputs("eval_step"), training=False)
+            outputs = graph.run(False, inputs)
+        outputs = self._placement.returned(outputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
     # ---------------------------------------------------------------- checkpoints
@@ -185,9 +189,11 @@ class ORTTrainer:
         Under ZeRO stage 1 the full state is gathered from every rank: every rank must call it.
         """
         info = self._train_step_info
+        with self._placement.step():  # the optimizer state as the last update left it
+            optimizer = self._optimizer_state_dict()
         return {
             "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
-            "optimizer": self._optimizer_state_dict(),
+            "optimizer": optimizer,
             "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
             "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
             "loss_scaler": None if self._loss_scaler is None else self._loss_scaler.state_dict(),
@@ -205,18 +211,19 @@ class ORTTrainer:
             optimizer_built=self._optimizer is not None)
         optimizer = state_dict["optimizer"]
         self.model.load_state_dict(state_dict["model"], strict=strict)
-        if self._optimizer is None:
-            self._pending_optimizer_state = optimizer
-        else:
-            _checkpoint.load_optimizer_state(self._flat, self._optimizer, optimizer)
+        with self._placement.step():
+            if self._optimizer is None:
+                self._pending_optimizer_state = optimizer
+            else:
+                _checkpoint.load_optimizer_state(self._flat, self._optimizer, optimizer)
+            if self._loss_scaler is not None:
+                self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
+                self._loss_scale[...] = self._loss_scaler.loss_scale
         info = state_dict["train_step_info"]
         self._train_step_info.step = info["step"]
         self._train_step_info.optimization_step = info["optimization_step"]
         if self._lr_scheduler is not None:
             self._lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
-        if self._loss_scaler is not None:
-            self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
-            self._loss_scale[...] = self._loss_scaler.loss_scale
 
     def save_checkpoint(self, path, user_dict=None):
         """Writes `state_dict()` (plus `user_dict`) to `path` atomically (torch.save format).
@@ -271,10 +278,11 @@ class ORTTrainer:
             raise RuntimeError("export_onnx() needs a sample batch: call train_step() or eval_step() once first")
         model_inputs = self._binding.model_inputs
         outputs = self.model_desc.output_names[1:] if self.loss_fn is not None else self.model_desc.output_names
-        serialized, static = _export.export_inference_model(
-            self.model, self._binding, [spec for spec in self.model_desc.inputs if spec.name in model_inputs],
-            outputs, {name: self._sample_inputs[name] for name in model_inputs},
-            self.options._internal_use.onnx_opset_version)
+        with self._placement.step():  # the weights as the last update left them
+            serialized, static = _export.export_inference_model(
+                self.model, self._binding, [spec for spec in self.model_desc.inputs if spec.name in model_inputs],
+                outputs, {name: self._sample_inputs[name] for name in model_inputs},
+                self.options._internal_use.onnx_opset_version)
         if static:
             warnings.warn(f"export_onnx: dims {static} are fixed to the sample batch's sizes: the exporter baked "
                           "them into the graph (e.g. nn.MultiheadAttention's sequence length)")
@@ -376,13 +384,14 @@ class ORTTrainer:
         groups = [([name for name in names if name in used], hyper)
                   for names, hyper in self.optim_config.resolve_groups(trainable)]
         groups = [(names, hyper) for names, hyper in groups if names]
-        self._flat = FlatParameters(named, groups, self._placement.xp)
+        with self._placement.allocating():
+            self._flat = FlatParameters(named, groups, self._placement.xp)
+            self._optimizer = self._distributed.make_optimizer(self.optim_config.name, self._flat)
         frozen = {}
         for name in sorted(self._frozen_names & used):
             named[name].data = named[name].data.contiguous()
             frozen[graph_name(name)] = named[name].data
         self._frozen = frozen
-        self._optimizer = self._distributed.make_optimizer(self.optim_config.name, self._flat)
         if self._pending_optimizer_state is not None and self._pending_optimizer_state["state"]:
             _checkpoint.load_optimizer_state(self._flat, self._optimizer, self._pending_optimizer_state)
         self._pending_optimizer_state = None

@@ -55,7 +55,7 @@ class _SessionOptionsLike(Protocol):
 
 
 CPU_PROVIDER, CUDA_PROVIDER = "CPUExecutionProvider", "CUDAExecutionProvider"
-# CUDA provider options the trainer sets itself: the device from device.id, torch's current stream.
+# CUDA provider options the trainer sets itself: the device from device.id, the stream it owns.
 TRAINER_CUDA_OPTIONS = ("device_id", "has_user_compute_stream", "user_compute_stream")
 
 # How each type name reads in an error message ("must be <this>, got ...").
@@ -149,7 +149,7 @@ class Validator(cerberus.Validator):
                                f"{_show(value)}; session_options holds the CPU settings")
         elif field == CUDA_PROVIDER:
             for key in (key for key in TRAINER_CUDA_OPTIONS if key in value):
-                self._error(field, f"{key!r} is set by the trainer (from device.id and torch's current stream), "
+                self._error(field, f"{key!r} is set by the trainer (from device.id, and the stream the trainer owns), "
                                    f"got {_show(value[key])}")
             mem_limit = device.get("mem_limit")
             if "gpu_mem_limit" in value and mem_limit:

@@ -9,6 +9,7 @@
 - The host-side tables (group table, Lamb chunk table) are right, and a missing CuPy gives the
   ImportError that says what to install.
 """
+import ctypes
 import importlib.resources
 import re
 import shutil
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from ort_trainer import _kernels as K
+from ort_trainer._cuda import NVRTC11, CudaUnavailable, preload_cuda11_libraries
 from ort_trainer._flat import FlatLayout
 
 NVCC = shutil.which("nvcc")
@@ -69,6 +71,56 @@ def test_kernel_compiles_to_ptx(family, arch, tmp_path):
     assert result.returncode == 0, (f"nvcc failed ({result.returncode}): {' '.join(command)}\n"
                                     f"{result.stdout}{result.stderr}")
     entries = re.findall(r"\.entry\s+(\w+)\s*\(", ptx.read_text())
+    assert sorted(entries) == sorted(K.KERNELS[family])
+
+
+def _nvrtc11():
+    """NVRTC 11 (the compiler cupy-cuda11x uses at run time beside ORT's CUDA 11.8 build), loaded as
+    the CUDA path loads it (`_cuda.preload_cuda11_libraries`), or None where its wheel is missing."""
+    try:
+        return preload_cuda11_libraries(NVRTC11)["libnvrtc.so.11.2"]
+    except CudaUnavailable:
+        return None
+
+
+def nvrtc_compile(nvrtc, source, name, options):
+    """(result code, PTX, log) of NVRTC compiling `source` with `options`, through its C API."""
+    program = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0, None, None) == 0
+    try:
+        encoded = [option.encode() for option in options]
+        result = nvrtc.nvrtcCompileProgram(program, len(encoded), (ctypes.c_char_p * len(encoded))(*encoded))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(program, log)
+        ptx = b""
+        if result == 0:
+            nvrtc.nvrtcGetPTXSize(program, ctypes.byref(size))
+            buffer = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetPTX(program, buffer)
+            ptx = buffer.value
+        return result, ptx.decode(), log.value.decode(errors="replace")
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+NVRTC11_LIBRARY = _nvrtc11()
+
+
+@pytest.mark.skipif(NVRTC11_LIBRARY is None, reason="nvidia-cuda-nvrtc-cu11 is not installed")
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("family", sorted(K.KERNELS))
+def test_kernel_compiles_with_nvrtc_11(family, arch):
+    """What CuPy does on a user's GPU: NVRTC 11.8 compiles the source with our options and the
+    device's architecture, no warning (nvcc above is CUDA 13's)."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    NVRTC11_LIBRARY.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    assert major.value == 11
+    options = [*K.NVRTC_OPTIONS, *CUPY_APPENDED_OPTIONS, f"--gpu-architecture={arch}"]
+    result, ptx, log = nvrtc_compile(NVRTC11_LIBRARY, K.kernel_source(family), f"{family}.cu", options)
+    assert result == 0 and not log.strip(), f"NVRTC {major.value}.{minor.value} failed ({result}):\n{log}"
+    entries = re.findall(r"\.entry\s+(\w+)\s*\(", ptx)
     assert sorted(entries) == sorted(K.KERNELS[family])
 
 

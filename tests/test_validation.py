@@ -218,13 +218,13 @@ def test_options_objects_are_kept_as_given(path, value):
      "provider_options.CPUExecutionProvider: the CPU provider reads no options (ONNX Runtime would ignore them), "
      "got {'use_arena': '0'}; session_options holds the CPU settings"),
     ({"device": {"id": "cuda"}, "provider_options": {"CUDAExecutionProvider": {"device_id": "1", "foo": 1}}},
-     "provider_options.CUDAExecutionProvider: 'device_id' is set by the trainer (from device.id and torch's "
-     "current stream), got '1'"),
+     "provider_options.CUDAExecutionProvider: 'device_id' is set by the trainer (from device.id, and the "
+     "stream the trainer owns), got '1'"),
     ({"device": {"id": "cuda", "mem_limit": 100}, "provider_options": {"CUDAExecutionProvider": {
         "gpu_mem_limit": 200, "user_compute_stream": "0"}}},
      "provider_options.CUDAExecutionProvider: 'gpu_mem_limit' and device.mem_limit=100 both limit the CUDA arena, "
      "got 200; set one of them; provider_options.CUDAExecutionProvider: 'user_compute_stream' is set by the "
-     "trainer (from device.id and torch's current stream), got '0'"),
+     "trainer (from device.id, and the stream the trainer owns), got '0'"),
     # every failing field, sorted by path
     ({"utils": {"grad_norm_clip": "yes", "max_cached_graphs": 0}, "device": {"id": "tpu"}, "batch": []},
      "batch: must be a dict, got [] (list); "

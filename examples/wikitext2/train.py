@@ -222,6 +222,7 @@ def join_process_group(args):
         raise SystemExit(f"error: --batch-size {args.batch_size} must be a multiple of the {world_size} ranks")
     if args.device == "cuda":
         args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(args.device)  # NCCL's own buffers and barriers go on this rank's GPU
     torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl", timeout=timedelta(minutes=5))
     return torch.distributed.get_rank(), world_size
 

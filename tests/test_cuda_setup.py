@@ -1,0 +1,155 @@
+"""What the CUDA path checks and chooses before any GPU work, tested where there is no GPU: the
+library folders, the errors that name what is missing, the shared CUDA arena's settings, and the
+dtypes and RNG it shares with the CPU path."""
+import re
+import warnings
+
+import onnxruntime
+import pytest
+import torch
+
+from ort_trainer import ORTTrainer, optim
+from ort_trainer import _cuda, _session_config
+from ort_trainer._cuda import CudaUnavailable, nvidia_library, preload_cuda11_libraries, require_cuda, \
+    require_cuda_provider
+from ort_trainer._session import torch_device
+
+from . import models
+
+
+def _wheel_folder(root, package, *sonames):
+    folder = root / "nvidia" / package / "lib"
+    folder.mkdir(parents=True)
+    for soname in sonames:
+        (folder / soname).write_bytes(b"")
+    return folder
+
+
+def test_a_library_comes_from_the_first_nvidia_folder_that_holds_its_cuda11_soname(tmp_path, monkeypatch):
+    """cu12/13 wheels (a CUDA torch's) and cu11 wheels (ORT's) share nvidia/<package>/lib."""
+    cuda13 = _wheel_folder(tmp_path / "torch-site", "cublas", "libcublas.so.13", "libcublasLt.so.13")
+    cuda11 = _wheel_folder(tmp_path / "ort-site", "cublas", "libcublas.so.11", "libcublasLt.so.11")
+    monkeypatch.setattr(_cuda, "_nvidia_roots", lambda: [str(cuda13.parents[1]), str(cuda11.parents[1])])
+    assert nvidia_library("libcublas.so.11", "cublas") == str(cuda11 / "libcublas.so.11")
+    assert nvidia_library("libcufft.so.10", "cufft") is None
+
+
+def test_every_library_ort_and_cupy_load_by_name_is_preloaded():
+    sonames = [soname for soname, _, _ in _cuda.CUDA11_LIBRARIES]
+    for needed in ("libcudnn_ops_infer.so.8", "libcudnn_ops_train.so.8", "libnvrtc.so.11.2",
+                   "libnvrtc-builtins.so.11.8", "libcudart.so.11.0", "libcudnn.so.8"):
+        assert needed in sonames
+    # each after what it needs: cuDNN's sub-libraries before libcudnn, NVRTC's builtins before NVRTC
+    assert sonames.index("libcudnn_ops_train.so.8") < sonames.index("libcudnn.so.8")
+    assert sonames.index("libnvrtc-builtins.so.11.8") < sonames.index("libnvrtc.so.11.2")
+
+
+def test_a_library_that_cannot_load_names_its_wheel(monkeypatch):
+    monkeypatch.setattr(_cuda, "CUDA11_LIBRARIES", (("libnot-there.so.11", "not_there", "nvidia-not-there-cu11"),))
+    with pytest.raises(CudaUnavailable, match=re.escape(
+            "device.id asks for CUDA, but libnot-there.so.11 cannot be loaded (")) as error:
+        preload_cuda11_libraries()
+    assert str(error.value).endswith("install the nvidia-not-there-cu11 wheel (pip install 'ort-trainer[gpu]')")
+
+
+def test_an_ort_build_without_cuda_is_named():
+    with pytest.raises(CudaUnavailable, match=re.escape(
+            f"device.id asks for CUDA, but the installed ONNX Runtime {onnxruntime.__version__} has no "
+            "CUDAExecutionProvider (a CPU build?): pip install 'ort-trainer[gpu]'")):
+        require_cuda(0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch here has a usable GPU")
+def test_a_torch_without_cuda_is_named_before_anything_else_fails(monkeypatch):
+    monkeypatch.setattr(onnxruntime, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.raises(CudaUnavailable, match=re.escape(
+            f"device.id asks for CUDA, but torch {torch.__version__} cannot use a GPU here (")) as error:
+        require_cuda(0)
+    assert "torch.cuda.is_available() is False): install a CUDA build of torch" in str(error.value)
+
+
+def test_a_session_ort_built_for_the_cpu_only_is_refused():
+    require_cuda_provider(["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.raises(CudaUnavailable, match=re.escape(
+            "device.id asks for CUDA, but ONNX Runtime created the session with ['CPUExecutionProvider'] only: "
+            "its CUDA provider failed to load")):
+        require_cuda_provider(["CPUExecutionProvider"])
+
+
+def test_cuda_without_an_index_is_torchs_current_device():
+    expected = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    assert torch_device("cuda") == torch.device("cuda", expected)
+    assert torch_device("cuda:3") == torch.device("cuda", 3)
+
+
+def test_the_shared_cuda_arena_takes_the_arena_options_and_is_made_once_per_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_session_config, "_registered_cuda_arenas", {})
+    monkeypatch.setattr(onnxruntime, "create_and_register_allocator_v2", lambda *args: calls.append(args))
+    monkeypatch.setattr(onnxruntime, "OrtMemoryInfo", lambda *args: args)
+    options = {"device_id": "1", "has_user_compute_stream": "1", "user_compute_stream": "1234",
+               "gpu_mem_limit": "1000", "arena_extend_strategy": "kSameAsRequested", "use_tf32": "0"}
+    _session_config.register_shared_cuda_arena(1, options)
+    _session_config.register_shared_cuda_arena(1, dict(options, use_tf32="1"))  # not an arena setting
+    assert len(calls) == 1
+    provider, memory, arena_options, arena_config = calls[0]
+    assert provider == "CUDAExecutionProvider" and arena_config is None
+    assert memory == ("Cuda", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 1, onnxruntime.OrtMemType.DEFAULT)
+    assert arena_options == {"device_id": "1", "gpu_mem_limit": "1000", "arena_extend_strategy": "kSameAsRequested"}
+    with pytest.raises(ValueError, match=re.escape(
+            "Invalid options: CUDA arena settings {'gpu_mem_limit': '2000', 'arena_extend_strategy': "
+            "'kSameAsRequested'} (device.mem_limit, provider_options), but this process's arena on cuda:1, shared by "
+            "every trainer, was created with {'gpu_mem_limit': '1000', 'arena_extend_strategy': 'kSameAsRequested'}")):
+        _session_config.register_shared_cuda_arena(1, dict(options, gpu_mem_limit="2000"))
+    _session_config.register_shared_cuda_arena(0, {"device_id": "0"})
+    assert len(calls) == 2 and calls[1][2] == {"device_id": "0"}
+
+
+class _Bfloat16Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+
+    def forward(self, x, target):
+        out = self.linear(x.float())
+        return torch.nn.functional.mse_loss(out, target), out.to(torch.bfloat16)
+
+
+def test_bfloat16_inputs_and_outputs_are_bound_like_any_dtype():
+    """NumPy has no bfloat16; those tensors are bound through DLPack."""
+    torch.manual_seed(0)
+    model, reference = _Bfloat16Model(), _Bfloat16Model()
+    reference.load_state_dict(model.state_dict())
+    desc = {"inputs": [("x", ["batch", 6]), ("target", ["batch", 3])],
+            "outputs": [("loss", [], True), ("out", ["batch", 3])]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), options={"utils": {"grad_norm_clip": False}})
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        x, target = torch.randn(5, 6).to(torch.bfloat16), torch.randn(5, 3)
+        loss, out = trainer.train_step(x, target)
+        expected_loss, expected_out = reference(x, target)
+        torch_optimizer.zero_grad()
+        expected_loss.backward()
+        torch_optimizer.step()
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected_out)
+        torch.testing.assert_close(loss, expected_loss.detach(), rtol=1e-6, atol=0)
+
+
+def test_compiling_the_graphs_leaves_torchs_random_stream_alone():
+    """The probe and the trace run the model's dropout in torch; the user's next random numbers
+    must not depend on whether the trainer compiled a graph in between."""
+    model = models.transformer()
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5
+    trainer = ORTTrainer(model, models.TRANSFORMER_DESC, optim.AdamConfig(), loss_fn=models.transformer_loss)
+    batch = models.transformer_batch(0)
+    torch.manual_seed(7)
+    expected = torch.rand(5)
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train_step(*batch)
+    assert torch.equal(torch.rand(5), expected)
