@@ -1,6 +1,7 @@
 from ._config import AdamConfig, DecayMode, LambConfig, SGDConfig
+from ._fused import FusedAdam, FusedLamb
 from .lr_scheduler import (ConstantWarmupLRScheduler, CosineWarmupLRScheduler, LinearWarmupLRScheduler,
                            PolyWarmupLRScheduler)
 
 __all__ = ["SGDConfig", "AdamConfig", "LambConfig", "DecayMode", "ConstantWarmupLRScheduler",
-           "CosineWarmupLRScheduler", "LinearWarmupLRScheduler", "PolyWarmupLRScheduler"]
+           "CosineWarmupLRScheduler", "LinearWarmupLRScheduler", "PolyWarmupLRScheduler", "FusedAdam", "FusedLamb"]
