@@ -9,7 +9,8 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",
-    packages=["ort_trainer", "ort_trainer.amp", "ort_trainer.optim", "ort_trainer.kernels", "ort_trainer.schemas"],
+    packages=["ort_trainer", "ort_trainer.amp", "ort_trainer.data", "ort_trainer.optim", "ort_trainer.ortmodule",
+              "ort_trainer.kernels", "ort_trainer.schemas"],
     package_dir={"ort_trainer.kernels": "kernels", "ort_trainer.schemas": "schemas"},
     package_data={"ort_trainer.kernels": ["*.cu", "*.cuh"], "ort_trainer.schemas": ["*.yaml"]},
     install_requires=["torch", "onnx", "cerberus>=1.3", "numpy", "pyyaml"],
@@ -26,7 +27,9 @@ setup(
             "nvidia-cuda-nvrtc-cu11",
         ],
         # transformers 4.57.1 accepts torch 2.13.0 as installed (no newer torch pulled in).
-        "test": ["pytest", "tqdm", "transformers==4.57.1"],
+        "test": ["pytest", "tqdm", "transformers==4.57.1", "h5py"],
+        # Resuming from the original ORTTrainer's HDF5 checkpoints.
+        "legacy": ["h5py"],
         "examples": ["tqdm", "transformers==4.57.1"],
     },
 )

@@ -136,6 +136,58 @@ def bind_inputs(model, input_names, has_loss_fn):
     return InputBinding(names, names[:count], (), names[count:], frozenset(), constant, signature)
 
 
+def bind_call(model, args, kwargs):
+    """How one call `model(*args, **kwargs)` reaches `forward()`, for a wrapper that sees calls
+    instead of a model_desc (ORTModule): (InputBinding, {input name: tensor}).
+
+    The tensor arguments are the inputs, named after forward()'s parameters (`<name>_<i>` for the
+    items of a `*args`, their keywords for a `**kwargs`), in the call's order. Every other argument
+    (None, flags, sizes) is a constant of the call, passed as given (`constant_keywords`).
+    Arguments go by keyword, except positional-only ones and those before a non-empty `*args`,
+    which go by position and so must be tensors. A `use_cache` parameter the call leaves out is
+    False, as with bind_inputs. A call that does not fit forward()'s signature raises TypeError,
+    as forward() would; a non-tensor passed by position or tensors inside a container argument
+    raise BindingError.
+    """
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        raise BindingError(f"cannot read the signature of {type(model).__name__}.forward()") from None
+    arguments = signature.bind(*args, **kwargs).arguments
+    kinds = inspect.Parameter
+    parameters = signature.parameters
+    before_args = set()
+    for name, value in arguments.items():
+        if parameters[name].kind is kinds.VAR_POSITIONAL and value:
+            before_args = {other for other in arguments if parameters[other].kind is kinds.POSITIONAL_OR_KEYWORD}
+    values, positional, keyword, constants = {}, [], [], {}
+    for name, value in arguments.items():
+        kind = parameters[name].kind
+        if kind is kinds.VAR_POSITIONAL:
+            items, by_position = [(f"{name}_{index}", item) for index, item in enumerate(value)], True
+        elif kind is kinds.VAR_KEYWORD:
+            items, by_position = list(value.items()), False
+        else:
+            items, by_position = [(name, value)], kind is kinds.POSITIONAL_ONLY or name in before_args
+        for item_name, item in items:
+            if isinstance(item, torch.Tensor):
+                values[item_name] = item
+                (positional if by_position else keyword).append(item_name)
+            elif by_position:
+                raise BindingError(f"argument {item_name!r} of forward{signature} is a {type(item).__name__} passed "
+                                   "by position; only tensors can be passed by position here (pass it by keyword)")
+            elif _tensors(item):
+                raise BindingError(f"argument {item_name!r} of forward{signature} holds tensors inside a "
+                                   f"{type(item).__name__}; pass each tensor as an argument of its own")
+            else:
+                constants[item_name] = item
+    for key, value in _NO_CACHE.items():
+        if key in parameters and key not in arguments:
+            constants[key] = value
+    return InputBinding(tuple(values), tuple(positional), tuple(keyword), (), frozenset(), constants,
+                        str(signature)), values
+
+
 def select_outputs(output, names):
     """The declared outputs `names`, as a tuple of tensors, from what the model returned."""
     if not names:

@@ -16,6 +16,8 @@ from typing import BinaryIO
 
 import torch
 
+from ._legacy_checkpoint import read_hdf5
+
 FORMAT = "ort-trainer-checkpoint"
 FORMAT_VERSION = 1
 _RESERVED = ("format", "format_version")
@@ -87,7 +89,8 @@ def _first_sentence(error: BaseException) -> str:
 
 
 def load(path) -> dict:
-    """Read a checkpoint written by ``save``; returns the state without the format keys.
+    """Read a checkpoint written by ``save`` (returns the state without the format keys), or an
+    HDF5 checkpoint of the original ORTTrainer (returns its state_dict, in its layout).
 
     Raises FileNotFoundError for a missing file, ValueError for a truncated or corrupt file, a file
     that is not an ort-trainer checkpoint, or one written by a newer ort-trainer.
@@ -97,8 +100,7 @@ def load(path) -> dict:
         raise FileNotFoundError(f"checkpoint '{path}' does not exist")
     with open(path, "rb") as file:
         if file.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE:
-            raise ValueError(f"checkpoint '{path}' is an HDF5 file (the legacy ORTTrainer checkpoint format), "
-                             f"not an ort-trainer checkpoint")
+            return read_hdf5(path)  # the original ORTTrainer's checkpoint
     try:
         with zipfile.ZipFile(path) as archive:  # torch.save's format; torch itself checks no CRC
             for name in archive.namelist():

@@ -12,8 +12,8 @@ import onnx
 import torch
 
 from ._binding import BindingError, select_outputs, training_flags_kept
-from ._flat import graph_name
-from ._graph import parameters_as_inputs
+from ._flat import GRAPH_PREFIX, graph_name
+from ._graph import parameters_as_inputs, rename_initializers
 from ._hf_compat import export_patches
 from ._symbolics import register_symbolics
 
@@ -84,19 +84,37 @@ def probe(model, loss_fn, binding, values, output_names):
     return _probed(model, tensors, TracedStep(model, loss_fn, binding, names, output_names))
 
 
-def probe_call(model, binding, values):
-    """One no-grad forward of `model` called as `binding` says, every module in its own train/eval
-    state: (what it returned, names of the buffers it changed). Buffers and the RNG are restored."""
+def probe_call(model, binding, values, grad=False):
+    """One forward of `model` called as `binding` says, every module in its own train/eval state,
+    with autograd recording if `grad`: (what it returned, names of the buffers it changed).
+    Buffers and the RNG are restored."""
     names, tensors = present_inputs(values)
-    return _probed(model, tensors, lambda *tensors: binding.call_model(model, dict(zip(names, tensors))))
+    return _probed(model, tensors, lambda *tensors: binding.call_model(model, dict(zip(names, tensors))), grad)
 
 
-def _probed(model, tensors, forward):
-    """(forward(*tensors) without grad, names of the buffers it changed), buffers and RNG restored."""
+def custom_functions(tensors):
+    """Names of the custom torch.autograd.Functions in the autograd graph of `tensors` (a probe's
+    outputs, recorded with grad): the exporter inlines their forward, so a graph built from it
+    differentiates that forward instead of running their backward."""
+    found, seen = set(), set()
+    stack = [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.add(f"{node._forward_cls.__module__}.{node._forward_cls.__qualname__}")
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return sorted(found)
+
+
+def _probed(model, tensors, forward, grad=False):
+    """(forward(*tensors), names of the buffers it changed), buffers and RNG restored."""
     buffers = dict(model.named_buffers())
     before = {name: b.detach().clone() for name, b in buffers.items()}
     try:
-        with rng_kept(model, tensors), torch.no_grad():
+        with rng_kept(model, tensors), torch.set_grad_enabled(grad):
             outputs = forward(*tensors)
         return outputs, sorted(name for name, b in buffers.items() if not torch.equal(b, before[name]))
     finally:
@@ -207,14 +225,16 @@ class TrainingExports:
         self._parameters = {graph_name(name) for name, _ in model.named_parameters()}
         self._templates = {}  # (inputs given, flags) -> weightless symbolic export, or None: trace per shape
 
+    def check(self, values, desc):
+        """`check_traceable` on these inputs, before `get`."""
+        check_traceable(self._model, self._loss_fn, self._binding, desc, values)
+
     def get(self, values, flags):
         """(ONNX model for these inputs, whether it must be proven against torch before use)."""
         key = _kind(values, flags)
         if key not in self._templates:
-            dynamic = {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)}
-                       for spec in self._input_specs if values[spec.name] is not None}
             try:
-                template = self._export(values, dynamic)
+                template = self._export(values, self._dynamic_axes(values))
             except ExportError:  # some exports only work at fixed shapes
                 self._templates[key] = None
             else:
@@ -225,6 +245,22 @@ class TrainingExports:
         if template is None:
             return self._export(values, None), False
         return with_input_shapes(template, values), True
+
+    def with_weights(self, values):
+        """The forward + loss model as traced for training, model_desc's named dims symbolic where
+        the exporter allows, the current weights as initializers named as in the model's
+        state_dict (the original's `save_as_onnx`)."""
+        try:
+            model = self._export(values, self._dynamic_axes(values))
+        except ExportError:
+            model = self._export(values, None)
+        rename_initializers(model, {i.name: i.name[len(GRAPH_PREFIX):] for i in model.graph.initializer
+                                    if i.name.startswith(GRAPH_PREFIX)})
+        return model
+
+    def _dynamic_axes(self, values):
+        return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)}
+                for spec in self._input_specs if values[spec.name] is not None}
 
     def reject(self, values, flags):
         """The derived graph failed its proof: trace every shape of this kind from now on."""

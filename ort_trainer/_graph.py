@@ -9,9 +9,10 @@ from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_m
 
 from ._symbolics import MARKER_DOMAIN
 
-# Nodes whose optional second output the gradient builder reads (Dropout's mask,
-# SoftmaxCrossEntropyLoss's log_prob); the TorchScript exporter may emit them with one output.
-_NODES_NEEDING_SECOND_OUTPUT = ("Dropout", "SoftmaxCrossEntropyLoss")
+# Nodes whose optional outputs the gradient builder reads, and how many outputs it needs (Dropout's
+# mask, SoftmaxCrossEntropyLoss's log_prob, LayerNormalization's mean and inverse standard deviation
+# at opset 17); the TorchScript exporter emits them with one output.
+_OUTPUTS_THE_GRADIENT_READS = {"Dropout": 2, "SoftmaxCrossEntropyLoss": 2, "LayerNormalization": 3}
 _QUIET = 3  # ORT severity: errors only
 LOSS_SCALE_INPUT = "__loss_scale"
 
@@ -27,11 +28,35 @@ def used_parameters(model):
     return {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
 
 
+_DROPOUT_TRAINING_MODE = "ort_trainer_dropout_training_mode"
+
+
 def add_second_outputs(model):
-    """Give Dropout and SoftmaxCrossEntropyLoss their optional second output (in place)."""
+    """Give Dropout, SoftmaxCrossEntropyLoss and LayerNormalization the optional outputs their
+    gradients read (in place); a Dropout without training_mode input drops (see below)."""
+    attention_dropout_in_training_mode(model)
     for node in model.graph.node:
-        if node.op_type in _NODES_NEEDING_SECOND_OUTPUT and len(node.output) == 1:
-            node.output.append(f"{node.output[0]}__second_output")
+        while 0 < len(node.output) < _OUTPUTS_THE_GRADIENT_READS.get(node.op_type, 0):
+            suffix = "__second_output" if len(node.output) == 1 else f"__output{len(node.output)}"
+            node.output.append(node.output[0] + suffix)
+
+
+def attention_dropout_in_training_mode(model):
+    """Dropouts exported without a training_mode input get a constant True one (in place).
+
+    Why: torch's scaled_dot_product_attention symbolic (nn.MultiheadAttention, transformers'
+    sdpa attention) emits Dropout(weights, ratio), an inference-mode Dropout that drops nothing,
+    although sdpa drops whenever dropout_p > 0, while ORT's DropoutGrad still divides by
+    1 - ratio: the forward would skip the dropout torch applies and the gradients through the
+    attention weights would be 1/(1 - p) too large. nn.Dropout exports with training_mode."""
+    dropouts = [node for node in model.graph.node if node.op_type == "Dropout" and len(node.input) == 2]
+    if not dropouts:
+        return
+    if _DROPOUT_TRAINING_MODE not in {output for node in model.graph.node for output in node.output}:
+        model.graph.node.insert(0, onnx.helper.make_node("Constant", [], [_DROPOUT_TRAINING_MODE], value=(
+            onnx.helper.make_tensor(_DROPOUT_TRAINING_MODE, onnx.TensorProto.BOOL, [], [True]))))
+    for node in dropouts:
+        node.input.append(_DROPOUT_TRAINING_MODE)
 
 
 def parameters_as_inputs(model, parameter_names):
@@ -45,6 +70,26 @@ def parameters_as_inputs(model, parameter_names):
             kept.append(initializer)
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
+
+
+def rename_initializers(model, renamed):
+    """Renames initializers ({old: new}) and every read of them, subgraphs included (in place)."""
+    for output in model.graph.output:
+        if output.name in renamed:
+            raise ValueError(f"ONNX model: initializer {output.name!r} is also a graph output; add an Identity node")
+    for initializer in model.graph.initializer:
+        initializer.name = renamed.get(initializer.name, initializer.name)
+    _rename_reads(model.graph, renamed)
+
+
+def _rename_reads(graph, renamed):
+    for node in graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _rename_reads(attribute.g, renamed)
+            for subgraph in attribute.graphs:
+                _rename_reads(subgraph, renamed)
 
 
 def _disable_training_mode(model):
@@ -154,8 +199,9 @@ _NOT_REGISTERED = re.compile(r"The gradient builder has not been registered: (\w
 _UNSUPPORTED_CASE = re.compile(r"Get(\w+)Gradient::GetGradientDefsImpl\(\) const (.+)")
 
 
-def _missing_gradient(message, model, trainable, loss_name):
-    """The MissingGradientError for a gradient builder failure `message`, or None for other failures.
+def missing_gradient(message, model, trainable, targets):
+    """The MissingGradientError for a failure `message` of the gradient builder (gradients of the
+    tensors `targets`), or None for other failures.
 
     ORT names the node when the op has no gradient at all; when only some of its cases lack one
     (Pad other than constant mode, Pow's exponent) it names the op alone, so every node of that
@@ -169,7 +215,7 @@ def _missing_gradient(message, model, trainable, loss_name):
         return None
     op_type = found.group(1)
     from_parameters = _computed_from(model, trainable)
-    into_loss = _needed_for(model, loss_name)
+    into_loss = _needed_for(model, targets)
     nodes = [node.name for node in model.graph.node if node.op_type == op_type
              and from_parameters.intersection(node.input) and into_loss.intersection(node.output)]
     return MissingGradientError(op_type, nodes, found.group(2).strip())
@@ -184,9 +230,9 @@ def _computed_from(model, sources):
     return reached
 
 
-def _needed_for(model, target):
-    """Names of the tensors `target` is computed from, itself included."""
-    needed = {target}
+def _needed_for(model, targets):
+    """Names of the tensors `targets` are computed from, themselves included."""
+    needed = set(targets)
     for node in reversed(model.graph.node):
         if needed.intersection(node.output):
             needed.update(node.input)
@@ -322,21 +368,28 @@ def expand_broadcast_inputs(model, trainable):
     return expanded
 
 
-def _gradient_graph(model, trainable, loss_name, options):
+def _gradient_graph(model, trainable, loss_name, options, recompute=None):
     """ORT's training graph of `model` (gradients of `loss_name` for `trainable`), as an ONNX model.
+    `recompute` (a `_recompute.Recompute`, or None) adds its copies to the optimized forward and
+    schedules them in the training graph.
 
     Raises MissingGradientError when an op on the way lacks a gradient, chained to ORT's error.
     """
     optimized = get_optimized_model(model.SerializeToString(), set(trainable), options)
+    if recompute is not None:
+        optimized, plan = recompute.add_nodes(optimized)
     try:
         builder = GradientGraphBuilder(optimized, {loss_name}, set(trainable), loss_name, options)
         builder.build()
     except RuntimeError as error:
-        missing = _missing_gradient(str(error), model, trainable, loss_name)
+        missing = missing_gradient(str(error), model, trainable, [loss_name])
         if missing is None:
             raise
         raise missing from error
-    return onnx.load_from_string(builder.get_model())
+    training = onnx.load_from_string(builder.get_model())
+    if recompute is not None:
+        recompute.schedule(training, plan)
+    return training
 
 
 def inference_batch_norm_as_primitives(model):
@@ -420,7 +473,42 @@ def padding_rows_without_gradient(model, trainable):
     return aliases
 
 
-def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False, substitute_kernels=None):
+def prepare_for_gradient(model, trainable):
+    """The rewrites the gradient builder needs on a forward whose parameters are graph inputs and
+    whose nodes have their optional outputs (add_second_outputs), in place: embedding padding rows
+    without gradient, inference-mode BatchNormalization, InstanceNormalization and broadcast
+    Where/Pow inputs as ops whose ORT gradients exist and are right. Returns the padding-row
+    aliases added (graph inputs to bind to their weights' memory)."""
+    aliases = padding_rows_without_gradient(model, set(trainable))
+    inference_batch_norm_as_primitives(model)
+    decompose_instance_normalization(model)
+    expand_broadcast_inputs(model, trainable)
+    return aliases
+
+
+def symbolic_shapes(model):
+    """`model` annotated by ONNX Runtime's symbolic shape inference (utils.run_symbolic_shape_infer),
+    as the original ran it on the exported model: value_info for the tensors ONNX's own inference
+    leaves without a shape, which ORT's optimizations and gradient builder then know.
+
+    Raises:
+        RuntimeError: the tool failed on this model (it cannot follow every shape computation, e.g.
+            nn.MultiheadAttention's in-projection), chained to its error.
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # imports sympy: when asked
+
+    try:
+        return SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+    except Exception as error:  # the tool raises AssertionError, KeyError, Exception, ...
+        detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise RuntimeError(
+            "utils.run_symbolic_shape_infer: ONNX Runtime's symbolic shape inference "
+            f"(onnxruntime.tools.symbolic_shape_infer) failed on the exported model ({detail}); "
+            "set utils.run_symbolic_shape_infer=False") from error
+
+
+def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False, substitute_kernels=None,
+                 recompute=None, shape_inference=False):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is
@@ -433,20 +521,20 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     built, the
     training graph's inference-mode BatchNormalization, InstanceNormalization and broadcast
     Where/Pow inputs are rewritten into ops whose ORT gradients exist and are right; an op
-    without a gradient raises MissingGradientError.
+    without a gradient raises MissingGradientError. `recompute`: a `_recompute.Recompute` (the
+    recompute options), or None. `shape_inference`: run `symbolic_shapes` on the forward first.
     """
     parameters_as_inputs(model, set(trainable) | set(frozen))  # first: no copy below holds weights
     add_second_outputs(model)
+    if shape_inference:
+        model = symbolic_shapes(model)
     eval_model = copy.deepcopy(model)
     _disable_training_mode(eval_model)
     padding_rows_without_gradient(eval_model, trainable=())
-    padding_rows_without_gradient(model, set(trainable))
-    inference_batch_norm_as_primitives(model)
-    decompose_instance_normalization(model)
-    expand_broadcast_inputs(model, trainable)
+    prepare_for_gradient(model, trainable)
     if loss_scaling:
         loss_name = _scale_loss(model, loss_name)
-    training = _gradient_graph(model, trainable, loss_name, builder_session_options())
+    training = _gradient_graph(model, trainable, loss_name, builder_session_options(), recompute)
     if substitute_kernels is not None:
         substitute_kernels(training, eval_model)
     _set_outputs(training, list(output_names) + [f"{name}_grad" for name in trainable])

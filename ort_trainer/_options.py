@@ -1,4 +1,5 @@
 """ORTTrainerOptions: the legacy options tree, validated by ``schemas/options.yaml``."""
+import enum
 import pprint
 
 from ._validation import load_schema, validate
@@ -15,24 +16,27 @@ _NOT_YET_SUPPORTED = {
     "distributed.pipeline_parallel.sliced_axes": "pipeline parallelism",
     "distributed.pipeline_parallel.sliced_tensor_names": "pipeline parallelism",
     "distributed.enable_adasum": "Adasum",
-    "graph_transformer.attn_dropout_recompute": "recomputation",
-    "graph_transformer.gelu_recompute": "recomputation",
-    "graph_transformer.transformer_layer_recompute": "recomputation",
-    "graph_transformer.number_recompute_layers": "recomputation",
     "graph_transformer.allow_layer_norm_mod_precision": "mixed precision",
-    "graph_transformer.propagate_cast_ops_config.strategy": "cast propagation",
-    "graph_transformer.propagate_cast_ops_config.level": "cast propagation",
-    "graph_transformer.propagate_cast_ops_config.allow": "cast propagation",
+    "graph_transformer.propagate_cast_ops_config.strategy": "fp16 cast propagation; the graphs compute in fp32",
+    "graph_transformer.propagate_cast_ops_config.level": "fp16 cast propagation; the graphs compute in fp32",
+    "graph_transformer.propagate_cast_ops_config.allow": "fp16 cast propagation; the graphs compute in fp32",
     "utils.invertible_layer_norm_gradient": "invertible LayerNorm gradient",
-    "utils.run_symbolic_shape_infer": "symbolic shape inference",
     "utils.memory_efficient_gradient": "memory-efficient gradient",
     "utils.dynamic_shapes": "one graph for all input shapes; each shape gets its own graph, derived from one export",
     "_internal_use.enable_internal_postprocess": "disabling the internal postprocess",
     "_internal_use.extra_postprocess": "extra postprocess",
-    "_internal_use.enable_onnx_contrib_ops": "disabling ONNX contrib ops",
 }
 
 _PREFIX = "Invalid options"
+
+
+class PropagateCastOpsStrategy(enum.IntEnum):
+    """``graph_transformer.propagate_cast_ops_config.strategy`` as the original spelled it (ONNX
+    Runtime's enum, same values); the option also takes a member's name, and ORT's own enum."""
+
+    NONE = 0
+    INSERT_AND_REDUCE = 1
+    FLOOD_FILL = 2
 
 
 def _lookup(options: dict, path: str):
@@ -79,6 +83,12 @@ class ORTTrainerOptions(_OptionGroup):
       which takes no options, and ``CUDAExecutionProvider`` on ``'cuda'``), and its options are
       merged into the trainer's; the original prepended unknown providers.
     - An explicit ``None`` is an error unless the field is nullable (the original filled the default).
+    - ``graph_transformer.propagate_cast_ops_config.strategy`` reads back as the member's name
+      (``'INSERT_AND_REDUCE'``), given as a ``PropagateCastOpsStrategy`` or as that name.
+    - ``graph_transformer.number_recompute_layers`` needs ``transformer_layer_recompute`` (the
+      original ignored it alone); more layers than the model has but one are clipped, with a warning.
+    - ``_internal_use.enable_onnx_contrib_ops``: the exporter never emits ONNX Runtime contrib ops
+      here (the original's False), whatever the value.
     - Options whose features are not implemented yet raise ``NotImplementedError`` when set to a
       non-default value (see ``_NOT_YET_SUPPORTED``).
 

@@ -10,6 +10,7 @@ import tempfile
 import onnxruntime
 
 from ._checkpoint import atomic_write
+from ._recompute import RECOMPUTE_OPTIONS
 from ._validation import CUDA_PROVIDER
 
 # onnxruntime.SessionOptions attributes; where the user's object keeps ORT's default, ours apply.
@@ -22,6 +23,11 @@ _SESSION_ATTRIBUTES = (
 # cannot be listed, so the ones to carry over are named.
 _TRAINER_CONFIG_KEYS = ("session.intra_op.allow_spinning", "session.use_env_allocators")
 _USE_ENV_ALLOCATORS = "session.use_env_allocators"
+_DISABLED_OPTIMIZERS = "optimization.disable_specified_optimizers"
+# Off with recomputation: once the backward reads a LayerNormalization's input from a recompute copy,
+# ORT 1.19 fuses the residual Add and the LayerNormalization into a SkipLayerNormalization, and the
+# LayerNormalizationGrad then finds its saved mean unset at run time ("Missing Input: saved_mean").
+_OFF_WITH_RECOMPUTE = "SkipLayerNormFusion"
 
 
 def _config_entry(session_options, key):
@@ -45,10 +51,18 @@ def session_options_from(options, base):
     The user's object is updated in place (config entries cannot be copied to a new one: ORT
     cannot list them); sessions copy it when they are created.
 
+    With a recompute option on, the sessions run their nodes in PRIORITY_BASED order, as the
+    original's did then (and as `_recompute` schedules the copies), without SkipLayerNormFusion
+    (added to the user's ``optimization.disable_specified_optimizers``, if any).
+
     Raises:
         ValueError: ``device.mem_limit`` limits the shared CPU arena, which the user's
             ``enable_cpu_mem_arena=False`` turns off.
     """
+    recompute = any(getattr(options.graph_transformer, name) for name in RECOMPUTE_OPTIONS)
+    if recompute:
+        base.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
+        base.add_session_config_entry(_DISABLED_OPTIMIZERS, _OFF_WITH_RECOMPUTE)
     user = options.session_options
     if user is None:
         return base
@@ -66,6 +80,9 @@ def session_options_from(options, base):
         if value is None or _config_entry(user, key) is not None or (arena_off and key == _USE_ENV_ALLOCATORS):
             continue  # not the trainer's, the user's own, or the shared arena the user turned off
         user.add_session_config_entry(key, value)
+    disabled = [name for name in (_config_entry(user, _DISABLED_OPTIMIZERS) or "").split(",") if name]
+    if recompute and _OFF_WITH_RECOMPUTE not in disabled:
+        user.add_session_config_entry(_DISABLED_OPTIMIZERS, ",".join([*disabled, _OFF_WITH_RECOMPUTE]))
     return user
 
 

@@ -3,9 +3,10 @@ import math
 import warnings
 
 import numpy as np
+import onnx
 import torch
 
-from . import _checkpoint, _distributed, _export
+from . import _checkpoint, _distributed, _export, _legacy_checkpoint, _onnx_model
 from ._binding import bind_inputs, training_flags
 from ._flat import FlatParameters, graph_name
 from ._graph import LOSS_SCALE_INPUT, build_graphs, used_parameters
@@ -13,24 +14,12 @@ from ._inputs import InputChecks
 from ._model_desc import parse_model_desc
 from ._optimizers import state_names
 from ._options import ORTTrainerOptions
+from ._recompute import Recompute
 from ._session import CompiledGraph, GraphCache, Placement
 from ._session_config import save_graphs
+from ._train_step_info import TrainStepInfo
 from .amp import DynamicLossScaler
 from .optim._config import _OptimizerConfig
-
-
-class TrainStepInfo:
-    """Step counters handed to LR schedulers and loss scalers.
-
-    `step` counts train_step calls; `optimization_step` counts applied optimizer updates.
-    """
-
-    def __init__(self, optimizer_config, all_finite=True, fetches=None, optimization_step=0, step=0):
-        self.optimizer_config = optimizer_config
-        self.all_finite = all_finite
-        self.fetches = list(fetches or [])
-        self.optimization_step = optimization_step
-        self.step = step
 
 
 class ORTTrainer:
@@ -55,8 +44,8 @@ class ORTTrainer:
     """
 
     def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(model, (torch.nn.Module, onnx.ModelProto)):
+            raise TypeError(f"model must be a torch.nn.Module or an onnx.ModelProto, got {type(model).__name__}")
         if not isinstance(optim_config, _OptimizerConfig):
             raise TypeError("optim_config must be an optim.SGDConfig, optim.AdamConfig or optim.LambConfig, "
                             f"got {type(optim_config).__name__}")
@@ -67,6 +56,13 @@ class ORTTrainer:
         elif not isinstance(options, ORTTrainerOptions):
             raise TypeError(f"options must be an ORTTrainerOptions or a dict, got {type(options).__name__}")
         desc = parse_model_desc(model_desc)
+        self._onnx_model = model if isinstance(model, onnx.ModelProto) else None
+        if self._onnx_model is not None:
+            desc = _onnx_model.describe(desc, model, loss_fn)
+            if options.debug.check_model_export:
+                raise ValueError("Invalid options: debug.check_model_export=True compares the graph with the torch "
+                                 "model, and an ONNX model has none; leave it False")
+            model = _onnx_model.OnnxModule(model)
         if loss_fn is not None and desc.loss_index != 0:
             raise ValueError("Invalid model_desc: with a loss_fn the loss must be the first output, "
                              f"got is_loss on output {desc.loss_index} ({desc.output_names[desc.loss_index]!r})")
@@ -76,7 +72,10 @@ class ORTTrainer:
         self.optim_config = optim_config
         self.loss_fn = loss_fn
         self.options = options
-        self._binding = bind_inputs(model, desc.input_names, loss_fn is not None)
+        if self._onnx_model is None:
+            self._binding = bind_inputs(model, desc.input_names, loss_fn is not None)
+        else:
+            self._binding = _onnx_model.binding(desc)
         named = dict(model.named_parameters())
         frozen = list(options.utils.frozen_weights)
         unknown = sorted(set(frozen) - set(named))
@@ -92,6 +91,7 @@ class ORTTrainer:
         # Validates param groups now (unknown names fail here, before any work).
         optim_config.resolve_groups([name for name in named if name not in self._frozen_names])
 
+        self._recompute = Recompute.from_options(options.graph_transformer, model)
         self._distributed = _distributed.setup(options)
         self._placement = Placement(options, torch.get_num_threads())
         self._inputs = InputChecks(desc, self._binding, self._placement.torch_device)
@@ -99,8 +99,11 @@ class ORTTrainer:
         with self._placement.allocating():
             self._loss_scaler, self._loss_scale = _loss_scaling(options, self._placement.xp)
         self._graphs = GraphCache(options.utils.max_cached_graphs)
-        self._exports = _export.TrainingExports(model, loss_fn, self._binding, desc.inputs, desc.output_names,
-                                                options._internal_use.onnx_opset_version)
+        if self._onnx_model is None:
+            self._exports = _export.TrainingExports(model, loss_fn, self._binding, desc.inputs, desc.output_names,
+                                                    options._internal_use.onnx_opset_version)
+        else:
+            self._exports = _onnx_model.OnnxExports(self._onnx_model, model)
         self._sample_inputs = None
         self._flat = None
         self._frozen = None
@@ -179,8 +182,10 @@ class ORTTrainer:
         return outputs[0] if len(outputs) == 1 else outputs
 
     # ---------------------------------------------------------------- checkpoints
-    def state_dict(self):
-        """Everything a resume needs, as tensors and plain values under the torch model's names.
+    def state_dict(self, pytorch_format=False):
+        """Everything a resume needs, as tensors and plain values under the torch model's names
+        (`pytorch_format=True`, the original's flag: the model's weights alone, as
+        `model.state_dict()`).
 
         `state_dict()['model']` loads into the plain torch model. Optimizer state is stored per
         parameter (`optimizer.state[<name>][<param>]`), so it does not depend on the flat layout.
@@ -188,11 +193,14 @@ class ORTTrainer:
         apply them.
         Under ZeRO stage 1 the full state is gathered from every rank: every rank must call it.
         """
+        model = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+        if pytorch_format:
+            return model
         info = self._train_step_info
         with self._placement.step():  # the optimizer state as the last update left it
             optimizer = self._optimizer_state_dict()
         return {
-            "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
+            "model": model,
             "optimizer": optimizer,
             "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
             "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
@@ -203,7 +211,12 @@ class ORTTrainer:
     def load_state_dict(self, state_dict, strict=True):
         """Restores a `state_dict()`. Everything is checked before anything changes: another
         model's checkpoint is refused with the mismatched keys named. `strict=False` allows
-        missing or unexpected model keys (shapes must still match)."""
+        missing or unexpected model keys (shapes must still match). A state_dict of the original
+        ORTTrainer (`model.full_precision`, Moment_1/Moment_2/Update_Count) is read too."""
+        if _legacy_checkpoint.is_original_layout(state_dict):
+            state_dict = _legacy_checkpoint.to_our_layout(
+                state_dict, optimizer_name=self.optim_config.name, state_names=state_names(self.optim_config.name),
+                current=self.state_dict())
         _checkpoint.check_trainer_state(
             state_dict, model=self.model, optimizer_name=self.optim_config.name,
             optimizer_state_names=state_names(self.optim_config.name), trained=self._trained_parameters(),
@@ -274,6 +287,9 @@ class ORTTrainer:
         baked in are made static, with a warning that names them. The file is written atomically.
         Needs one train_step or eval_step first (its batch is the export sample).
         """
+        if self._onnx_model is not None:
+            raise TypeError("export_onnx() writes the torch model's inference graph; this trainer trains an ONNX "
+                            "model, whose graph computes the loss: save_as_onnx() writes it with the trained weights")
         if self._sample_inputs is None:
             raise RuntimeError("export_onnx() needs a sample batch: call train_step() or eval_step() once first")
         model_inputs = self._binding.model_inputs
@@ -287,6 +303,18 @@ class ORTTrainer:
             warnings.warn(f"export_onnx: dims {static} are fixed to the sample batch's sizes: the exporter baked "
                           "them into the graph (e.g. nn.MultiheadAttention's sequence length)")
         _checkpoint.atomic_write(path, lambda file: file.write(serialized))
+
+    def save_as_onnx(self, path):
+        """Writes the forward + loss model (the original ORTTrainer's `save_as_onnx`): the graph the
+        training graph is built from, with the trained weights as initializers named as in
+        `state_dict()['model']`. The file is written atomically. A torch model needs one
+        train_step or eval_step first (its batch is the export sample); `export_onnx` writes the
+        model alone, for inference."""
+        if self._sample_inputs is None and self._onnx_model is None:
+            raise RuntimeError("save_as_onnx() needs a sample batch: call train_step() or eval_step() once first")
+        with self._placement.step():  # the weights as the last update left them
+            model = self._exports.with_weights(self._sample_inputs)
+        _checkpoint.atomic_write(path, lambda file: file.write(model.SerializeToString()))
 
     # ---------------------------------------------------------------- inputs
     def _fetched_outputs(self, method):
@@ -321,7 +349,7 @@ class ORTTrainer:
         A graph re-derived from an earlier export (a new input shape) is first proven against
         torch at this shape; one that fails is traced again."""
         desc = self.model_desc
-        _export.check_traceable(self.model, self.loss_fn, self._binding, desc, values)
+        self._exports.check(values, desc)
         exported, unproven = self._exports.get(values, flags)
         if self._flat is None:
             self._create_training_state(used_parameters(exported))
@@ -348,7 +376,8 @@ class ORTTrainer:
         training_graph, evaluation = build_graphs(
             exported, self._flat.names, list(self._frozen), outputs,
             self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None,
-            substitute_kernels=self._placement.substitute_kernels)
+            substitute_kernels=self._placement.substitute_kernels, recompute=self._recompute,
+            shape_inference=self.options.utils.run_symbolic_shape_infer)
         save_graphs(paths, training=training_graph, evaluation=evaluation,
                     session_options=self._placement.session_options(), providers=self._placement.providers)
         present = [name for name, value in values.items() if value is not None]

@@ -70,6 +70,7 @@ _TYPE_NAMES = {
     "lr_scheduler": "an LR scheduler (an object with get_lr())",
     "loss_scaler": "a loss scaler (an object with update() and reset())",
     "session_options": "an onnxruntime.SessionOptions",
+    "cast_strategy": "a PropagateCastOpsStrategy or its name",
     "input_entry": "a (name, shape) or (name, shape, dtype) tuple",
     "output_entry": "a (name, shape) or (name, shape, is_loss) tuple",
 }
@@ -86,6 +87,7 @@ class Validator(cerberus.Validator):
         "lr_scheduler": TypeDefinition("lr_scheduler", (_LRSchedulerLike,), ()),
         "loss_scaler": TypeDefinition("loss_scaler", (_LossScalerLike,), ()),
         "session_options": TypeDefinition("session_options", (_SessionOptionsLike,), ()),
+        "cast_strategy": TypeDefinition("cast_strategy", (str,), ()),  # after the cast_strategy coercion
         # model_desc entries, after the tuple -> dict coercion below
         "input_entry": TypeDefinition("input_entry", (Mapping,), ()),
         "output_entry": TypeDefinition("output_entry", (Mapping,), ()),
@@ -123,6 +125,10 @@ class Validator(cerberus.Validator):
     def _normalize_coerce_torch_dtype(self, value):
         return TORCH_DTYPES.get(value, value) if isinstance(value, str) else value
 
+    def _normalize_coerce_cast_strategy(self, value):
+        """PropagateCastOpsStrategy (ours, or ONNX Runtime's pybind enum of the same name) -> its name."""
+        return value.name if type(value).__name__ == "PropagateCastOpsStrategy" else value
+
     def _normalize_coerce_input_entry(self, value):
         return _entry_to_dict(value, ("name", "shape", "dtype"))
 
@@ -155,6 +161,12 @@ class Validator(cerberus.Validator):
             if "gpu_mem_limit" in value and mem_limit:
                 self._error(field, f"'gpu_mem_limit' and device.mem_limit={mem_limit} both limit the CUDA arena, "
                                    f"got {_show(value['gpu_mem_limit'])}; set one of them")
+
+    def _check_with_recompute_layers(self, field, value):
+        group = self.root_document.get("graph_transformer")
+        if value and not (isinstance(group, Mapping) and group.get("transformer_layer_recompute") is True):
+            self._error(field, "needs graph_transformer.transformer_layer_recompute=True (it counts the layers that "
+                               f"one recomputes), got {value!r}")
 
     def _check_with_torch_dtype(self, field, value):
         if not any(value is dtype for dtype in TORCH_DTYPES.values()):

@@ -226,3 +226,31 @@ def test_the_cpu_trainer_builds_graphs_for_the_cpu(monkeypatch):
     trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
     trainer.train_step(*models.mlp_batch(0))
     assert [call["substitute_kernels"] for call in calls] == [substitute_cpu_kernels]
+
+
+class _AttentionWithDropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.query = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        dropout = 0.5 if self.training else 0.0
+        return torch.nn.functional.scaled_dot_product_attention(self.query(x), x, x, dropout_p=dropout).square().sum()
+
+
+def test_attention_dropout_drops_in_the_training_graph(tmp_path):
+    """torch's sdpa symbolic exports an inference-mode Dropout (it dropped nothing while ORT's
+    DropoutGrad still scaled the gradient by 1/(1-p)): in the training graph it drops, as torch does."""
+    torch.manual_seed(0)
+    path = tmp_path / "training.onnx"
+    trainer = ORTTrainer(_AttentionWithDropout(), {"inputs": [("x", [2, 4, 8])], "outputs": [("loss", [], True)]},
+                         optim.SGDConfig(lr=1e-30), options={"utils": {"grad_norm_clip": False}, "debug": {
+                             "graph_save_paths": {"model_with_training_graph_path": str(path)}}})
+    x = torch.randn(2, 4, 8)
+    losses = {trainer.train_step(x).item() for _ in range(6)}
+    assert len(losses) > 1  # a mask drawn per step
+    dropouts = [node for node in onnx.load(path).graph.node if node.op_type == "Dropout"]
+    assert len(dropouts) == 1 and dropouts[0].input[2] == "ort_trainer_dropout_training_mode"
+    with torch.no_grad():
+        expected = trainer.model.eval()(x).item()
+    assert trainer.eval_step(x).item() == pytest.approx(expected, rel=1e-5)

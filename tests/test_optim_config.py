@@ -44,6 +44,15 @@ def test_decay_mode():
     assert [(mode.name, int(mode)) for mode in DecayMode] == [("BEFORE_WEIGHT_UPDATE", 0), ("AFTER_WEIGHT_UPDATE", 1)]
 
 
+def test_decay_mode_has_the_originals_spelling():
+    """The original nested the enum in AdamConfig (the only config with a decay mode)."""
+    assert AdamConfig.DecayMode is DecayMode
+    config = AdamConfig(weight_decay_mode=AdamConfig.DecayMode.AFTER_WEIGHT_UPDATE)
+    assert config.weight_decay_mode is DecayMode.AFTER_WEIGHT_UPDATE and config.defaults["weight_decay_mode"] == 1
+    assert "DecayMode" not in {field.name for field in dataclasses.fields(AdamConfig)}  # not an argument
+    assert not hasattr(LambConfig, "DecayMode") and not hasattr(SGDConfig, "DecayMode")
+
+
 def test_positional_order_matches_the_original():
     assert AdamConfig([], 0.01, 0.8, 0.99, 0.1, 1e-7, 2.0, False, DecayMode.AFTER_WEIGHT_UPDATE) == AdamConfig(
         lr=0.01, alpha=0.8, beta=0.99, lambda_coef=0.1, epsilon=1e-7, max_norm_clip=2.0, do_bias_correction=False,

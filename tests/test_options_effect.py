@@ -1,6 +1,7 @@
 """Every option takes effect or is refused by name: `test_every_option_is_honoured_or_refused` walks the
 schema and fails for an option that is accepted and ignored. Then the effect tests of the options
-`_session_config.py` derives ONNX Runtime settings from, and the file modes of atomic writes."""
+`_session_config.py` derives ONNX Runtime settings from, the file modes of atomic writes, and the
+graph options: recomputation, symbolic shape inference, no contrib ops in the export."""
 import ast
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime
 import pytest
@@ -17,6 +19,8 @@ import torch
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._checkpoint import atomic_write
+from ort_trainer._graph import symbolic_shapes
+from ort_trainer._recompute import Recompute, layer_stack
 from ort_trainer._options import _NOT_YET_SUPPORTED
 from ort_trainer._session_config import (
     cpu_arena_config,
@@ -24,6 +28,7 @@ from ort_trainer._session_config import (
     save_graphs,
     session_options_from,
 )
+from ort_trainer._symbolics import MARKER_DOMAIN
 from ort_trainer._validation import load_schema
 
 from . import models
@@ -63,6 +68,16 @@ HONOURED = {
     "_internal_use.onnx_opset_version": "test_trainer_errors.py::test_opset_version_option_is_used",
     "provider_options": "test_options_effect.py::test_cuda_provider_options_and_mem_limit_reach_the_session",
     "session_options": "test_options_effect.py::test_session_options_reach_the_sessions",
+    "graph_transformer.gelu_recompute": "test_options_effect.py::test_recompute_lowers_the_memory_onnx_runtime_needs",
+    "graph_transformer.attn_dropout_recompute":
+        "test_options_effect.py::test_recompute_lowers_the_memory_onnx_runtime_needs",
+    "graph_transformer.transformer_layer_recompute":
+        "test_options_effect.py::test_recompute_lowers_the_memory_onnx_runtime_needs",
+    "graph_transformer.number_recompute_layers":
+        "test_options_effect.py::test_number_recompute_layers_counts_the_recomputed_layers",
+    "utils.run_symbolic_shape_infer":
+        "test_options_effect.py::test_symbolic_shape_inference_annotates_the_graphs_and_trains_the_same",
+    "_internal_use.enable_onnx_contrib_ops": "test_options_effect.py::test_the_export_has_no_onnx_runtime_contrib_op",
 }
 
 
@@ -391,3 +406,294 @@ def test_importing_ort_trainer_leaves_the_umask_alone():
         print(json.dumps(calls))
     """)
     assert calls == []
+
+
+# ---------------------------------------------------------------- recomputation (graph_transformer)
+
+class _Attention(torch.nn.Module):
+    """Attention weights, dropped out (a Dropout after a Softmax), applied to the input: a residual block."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.query = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        weights = torch.softmax(self.query(x) @ x.transpose(-1, -2), -1)
+        return x + torch.nn.functional.dropout(weights, 0.1, self.training) @ x
+
+
+class _FeedForward(torch.nn.Module):
+    def __init__(self, width, hidden, dropout=0.0):
+        super().__init__()
+        self.fc1, self.fc2, self.dropout = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width), dropout
+
+    def forward(self, x):
+        output = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        return x + (torch.nn.functional.dropout(output, self.dropout, self.training) if self.dropout else output)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.attention, self.feed_forward = _Attention(width), _FeedForward(width, hidden, dropout=0.2)
+
+    def forward(self, x):
+        return self.feed_forward(self.attention(x))
+
+
+class _Stack(torch.nn.Module):
+    """Blocks in an nn.Sequential (the layers of transformer_layer_recompute), a head, the mean over positions;
+    `project`: a Linear first, so that the first block's input has a gradient (its backward reads more)."""
+
+    def __init__(self, blocks, width, project=False):
+        super().__init__()
+        self.project = torch.nn.Linear(width, width) if project else torch.nn.Identity()
+        self.blocks, self.head = torch.nn.Sequential(*blocks), torch.nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.project(x))).mean(1)
+
+
+def _stack_trainer(model, shape, options):
+    return ORTTrainer(model, {"inputs": [("x", ["batch", *shape]), ("y", ["batch"])], "outputs": [("loss", [], True)]},
+                      optim.AdamConfig(lr=0.01), loss_fn=torch.nn.functional.cross_entropy,
+                      options=ORTTrainerOptions(options))
+
+
+def _stack_batch(step, batch, shape):
+    generator = torch.Generator().manual_seed(4000 + step)
+    return torch.randn(batch, *shape, generator=generator), torch.randint(0, 4, (batch,), generator=generator)
+
+
+# model, input shape (positions, width), batch, device.mem_limit in MiB between what ONNX Runtime's arena needs
+# for a step without and with recomputation (measured: attention 21-22 MiB without, 16-17 with
+# attn_dropout_recompute; feed-forward 20-22 MiB without, at most 14 with gelu or layer recompute)
+_MEMORY_MODELS = {"attention": (lambda: _Stack([_Attention(8) for _ in range(4)], 8), (128, 8), 32, 19),
+                  "feed_forward": (lambda: _Stack([_FeedForward(32, 256) for _ in range(4)], 32), (2048, 32), 1, 17)}
+
+
+def _memory_case(model_name, graph_transformer):
+    """'ok' when two steps run within the model's device.mem_limit, 'over' when ONNX Runtime's arena
+    refuses one; the baseline ({}) runs in the PRIORITY_BASED order recomputation brings along."""
+    make, shape, batch, limit = _MEMORY_MODELS[model_name]
+    session_options = onnxruntime.SessionOptions()
+    session_options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
+    torch.manual_seed(0)
+    trainer = _stack_trainer(make(), shape, {"device": {"mem_limit": limit << 20}, "session_options": session_options,
+                                             "graph_transformer": graph_transformer})
+    try:
+        for step in range(2):
+            trainer.train_step(*_stack_batch(step, batch, shape))
+    except Exception as error:  # ORT's arena: "Available memory of ... is smaller than requested bytes"
+        return "over" if "Available memory of" in str(error) else str(error)
+    return "ok"
+
+
+def test_recompute_lowers_the_memory_onnx_runtime_needs():
+    """A step that does not fit under the limit without recomputation fits with each option: the copies
+    free what the forward kept for the backward. Each case in a fork of one fresh process (the arena
+    limit is the process's).
+
+    Needs the wiring: ORTTrainer passes Recompute.from_options(...) to build_graphs(recompute=...)."""
+    results = _run_python("""
+        import json, os
+        from tests.test_options_effect import _memory_case
+
+        def forked(*case):
+            read, write = os.pipe()
+            if os.fork() == 0:
+                os.close(read)
+                os.write(write, _memory_case(*case).encode())
+                os._exit(0)
+            os.close(write)
+            answer = os.read(read, 1 << 16).decode()
+            os.wait()
+            return answer
+
+        print(json.dumps([forked(*case) for case in [
+            ("attention", {}), ("attention", {"attn_dropout_recompute": True}),
+            ("feed_forward", {}), ("feed_forward", {"gelu_recompute": True}),
+            ("feed_forward", {"transformer_layer_recompute": True})]]))
+    """)
+    assert results == ["over", "ok", "over", "ok", "ok"]
+
+
+def _train_with_dropout(graph_transformer, directory):
+    """Parameters after two Adam steps of a stack of attention + feed-forward layers with dropout, and the
+    training graph; ONNX Runtime's seed is set first, so every trainer draws the same dropout masks."""
+    onnxruntime.set_seed(11)
+    torch.manual_seed(0)
+    trainer = _stack_trainer(_Stack([_Layer(16, 64) for _ in range(3)], 16, project=True), (10, 16), {
+        "graph_transformer": graph_transformer,
+        "debug": {"graph_save_paths": {"model_with_training_graph_path": str(directory / "training.onnx")}}})
+    for step in range(2):
+        trainer.train_step(*_stack_batch(step, 8, (10, 16)))
+    return [p.detach().clone() for p in trainer.model.parameters()], onnx.load(directory / "training.onnx")
+
+
+@pytest.fixture(scope="module")
+def trained_without_recompute(tmp_path_factory):
+    return _train_with_dropout({}, tmp_path_factory.mktemp("without_recompute"))
+
+
+def _copied_layers(graph):
+    """Layer indices of the blocks whose tensors have recompute copies (tensors keep the exporter's
+    module scopes; ORT's fused nodes do not: 'Gelu_token_1')."""
+    return {int(re.search(r"/blocks\.(\d+)/", output).group(1)) for node in graph.graph.node
+            if node.name.endswith("_recompute") for output in node.output if "/blocks." in output}
+
+
+@pytest.mark.parametrize("graph_transformer, copied_ops, layers", [
+    ({"gelu_recompute": True}, {"Gelu"}, {0, 1, 2}),
+    ({"attn_dropout_recompute": True}, {"DropoutGrad"}, {0, 1, 2}),
+    ({"transformer_layer_recompute": True}, None, {0, 1}),  # every layer but the last
+], ids=["gelu", "attention_dropout", "layers"])
+def test_recompute_trains_exactly_as_without(graph_transformer, copied_ops, layers, trained_without_recompute,
+                                             tmp_path):
+    """Bit for bit, with dropout on (a recomputed Dropout applies the forward's mask again); the backward
+    reads the copies, not the forward's tensors they copy, and the copies wait for the backward.
+
+    Needs the wiring: ORTTrainer passes Recompute.from_options(...) to build_graphs(recompute=...)."""
+    parameters, graph = _train_with_dropout(graph_transformer, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(parameters, trained_without_recompute[0]))
+    copies = [node for node in graph.graph.node if node.name.endswith("_recompute")]
+    assert copies and _copied_layers(graph) == layers
+    if copied_ops is not None:
+        assert {node.op_type for node in copies} == copied_ops
+    copied = {output[:-len("_recompute")] for node in copies for output in node.output}
+    backward_reads = {name for node in graph.graph.node if "_Grad/" in node.name for name in node.input}
+    assert copied.isdisjoint(backward_reads) and {name + "_recompute" for name in copied} & backward_reads
+    assert any(node.op_type == "PassThrough" for node in graph.graph.node)
+
+
+@pytest.mark.parametrize("count, layers", [(1, {0}), (5, {0, 1})], ids=["first_layer", "clipped"])
+def test_number_recompute_layers_counts_the_recomputed_layers(count, layers, tmp_path):
+    """The first `count` layers, never the last (as the original: more is clipped, with a warning).
+
+    Needs the wiring: ORTTrainer passes Recompute.from_options(...) to build_graphs(recompute=...)."""
+    options = {"transformer_layer_recompute": True, "number_recompute_layers": count}
+    if count < 3:
+        graph = _train_with_dropout(options, tmp_path)[1]
+    else:
+        message = ("graph_transformer.number_recompute_layers=5: blocks has 3 layers and the last one is never "
+                   "recomputed; recomputing the first 2")
+        with pytest.warns(UserWarning, match=f"^{re.escape(message)}$"):
+            graph = _train_with_dropout(options, tmp_path)[1]
+    assert _copied_layers(graph) == layers
+
+
+def test_layer_recompute_needs_a_stack_of_layers():
+    options = ORTTrainerOptions({"graph_transformer": {"transformer_layer_recompute": True}})
+    message = ("Invalid options: graph_transformer.transformer_layer_recompute=True, but the model has no stack of "
+               "layers to recompute (an nn.ModuleList or nn.Sequential of at least 2 modules of one class)")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Recompute.from_options(options.graph_transformer, models.mlp())  # net: Linear, LayerNorm, GELU, Linear
+    assert Recompute.from_options(ORTTrainerOptions().graph_transformer, models.mlp()) is None
+
+
+def test_the_layers_are_the_longest_stack_of_one_class():
+    model = torch.nn.Module()
+    model.encoder = torch.nn.ModuleList([_FeedForward(4, 8) for _ in range(2)])
+    model.decoder = torch.nn.Sequential(*[_Attention(4) for _ in range(3)])
+    model.mixed = torch.nn.Sequential(*[_Attention(4) for _ in range(3)], _FeedForward(4, 8), torch.nn.ReLU())
+    assert layer_stack(model) == ("decoder", 3)
+
+
+def test_recompute_warns_when_the_model_has_nothing_to_recompute():
+    recompute = Recompute.from_options(
+        ORTTrainerOptions({"graph_transformer": {"gelu_recompute": True, "attn_dropout_recompute": True}})
+        .graph_transformer, models.mlp())
+    with pytest.warns(UserWarning) as warned:
+        serialized, plan = recompute.add_nodes(_tiny_model("Neg", "Relu").SerializeToString())
+    assert [str(warning.message) for warning in warned] == [
+        "graph_transformer.gelu_recompute=True: the model has no Gelu, nothing to recompute",
+        "graph_transformer.attn_dropout_recompute=True: the model has no Dropout after a Softmax, nothing to recompute"]
+    assert onnx.load_from_string(serialized) == _tiny_model("Neg", "Relu") and plan[1] == []
+
+
+@pytest.mark.parametrize("user_disabled, expected", [(None, "SkipLayerNormFusion"),
+                                                     ("ConstantFolding", "ConstantFolding,SkipLayerNormFusion")])
+def test_recompute_sessions_run_in_priority_order_without_skip_layer_norm_fusion(user_disabled, expected):
+    """SkipLayerNormFusion would fuse a residual Add and a LayerNormalization once the backward reads the
+    LayerNormalization's input from a copy, and the step fail (its gradient's saved mean is never set)."""
+    user = onnxruntime.SessionOptions()
+    if user_disabled is not None:
+        user.add_session_config_entry("optimization.disable_specified_optimizers", user_disabled)
+    options = ORTTrainerOptions({"graph_transformer": {"gelu_recompute": True}, "session_options": user})
+    chosen = session_options_from(options, onnxruntime.SessionOptions())
+    assert chosen.execution_order == onnxruntime.ExecutionOrder.PRIORITY_BASED
+    assert _config(chosen, "optimization.disable_specified_optimizers") == expected
+    plain = session_options_from(ORTTrainerOptions(), onnxruntime.SessionOptions())
+    assert plain.execution_order == onnxruntime.ExecutionOrder.DEFAULT
+    assert _config(plain, "optimization.disable_specified_optimizers") is None
+
+
+# ---------------------------------------------------------------- utils.run_symbolic_shape_infer
+
+def test_symbolic_shape_inference_annotates_the_graphs_and_trains_the_same(tmp_path):
+    """The graphs carry the shapes ONNX Runtime's tool infers (value_info); training is unchanged.
+
+    Needs the wiring: ORTTrainer passes shape_inference=options.utils.run_symbolic_shape_infer to build_graphs."""
+    def train(flag):
+        paths = {field: str(tmp_path / f"{field}_{flag}.onnx") for field in ("model_with_training_graph_path",
+                                                                              "eval_model_path")}
+        trainer = _mlp_trainer(utils={"run_symbolic_shape_infer": flag}, debug={"graph_save_paths": paths})
+        for step in range(2):
+            trainer.train_step(*models.mlp_batch(step))
+        shaped = [{value.name for value in onnx.load(path).graph.value_info} for path in paths.values()]
+        return [p.detach().clone() for p in trainer.model.parameters()], shaped
+
+    (plain, plain_shapes), (annotated, annotated_shapes) = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, annotated))
+    assert all(without < with_ for without, with_ in zip(plain_shapes, annotated_shapes))
+    assert "/model/net/net.2/Mul_1_output_0" in annotated_shapes[0]  # GELU's output, not shaped without
+
+
+def test_symbolic_shape_inference_failure_names_the_option():
+    """The tool cannot follow every shape computation (nn.MultiheadAttention's in-projection fails it)."""
+    make = onnx.helper.make_node
+    graph = onnx.helper.make_graph(
+        [make("Shape", ["x"], ["shape"]), make("Slice", ["shape", "start", "end"], ["kept"]),
+         make("Reshape", ["x", "kept"], ["y"])], "reshape_by_a_computed_shape",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4]),
+         onnx.helper.make_tensor_value_info("start", onnx.TensorProto.INT64, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.array([3]), "end")])
+    message = ("utils.run_symbolic_shape_infer: ONNX Runtime's symbolic shape inference "
+               "(onnxruntime.tools.symbolic_shape_infer) failed on the exported model (AssertionError); "
+               "set utils.run_symbolic_shape_infer=False")
+    with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+        symbolic_shapes(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 14)]))
+
+
+# ---------------------------------------------------------------- _internal_use.enable_onnx_contrib_ops
+
+class _UsesOurSymbolics(torch.nn.Module):
+    """Every op our export symbolics serve (sdpa with a bool mask, embedding with a padding_idx, cumsum of
+    bool, diff) and ops ONNX Runtime's contrib symbolics exported as com.microsoft ops (gelu, tril)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj = torch.nn.Embedding(10, 8, padding_idx=0), torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=causal & (ids > 0).unsqueeze(1))
+        steps = torch.diff((ids > 0).cumsum(-1), dim=-1)
+        return torch.nn.functional.gelu(self.proj(x)).square().mean() + steps.sum() * 0.0
+
+
+def test_the_export_has_no_onnx_runtime_contrib_op(tmp_path):
+    """enable_onnx_contrib_ops=False as the original meant it: the exported model holds no ONNX Runtime
+    contrib op (ORT's own optimizations add their fused kernels later, as in the original)."""
+    path = tmp_path / "exported.onnx"
+    trainer = ORTTrainer(_UsesOurSymbolics(), {"inputs": [("ids", ["batch", "positions"])],
+                                               "outputs": [("loss", [], True)]}, optim.SGDConfig(),
+                         options=ORTTrainerOptions({"_internal_use": {"enable_onnx_contrib_ops": False},
+                                                    "debug": {"graph_save_paths": {
+                                                        "model_after_graph_transforms_path": str(path)}}}))
+    trainer.train_step(torch.tensor([[0, 3, 4, 5], [1, 2, 0, 9]]))
+    exported = onnx.load(path)
+    assert {node.domain for node in exported.graph.node} == {"", MARKER_DOMAIN}  # the marker never reaches ORT
+    assert {"Trilu", "Erf", "CumSum", "Where"} <= {node.op_type for node in exported.graph.node}

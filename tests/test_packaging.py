@@ -38,5 +38,6 @@ def test_wheel_ships_kernels_and_schemas(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for expected in ("ort_trainer/kernels/adam.cu", "ort_trainer/kernels/common.cuh", "ort_trainer/schemas/options.yaml",
                      "ort_trainer/schemas/model_desc.yaml", "ort_trainer/amp/__init__.py",
-                     "ort_trainer/optim/lr_scheduler.py"):
+                     "ort_trainer/optim/lr_scheduler.py", "ort_trainer/data/_sampler.py",
+                     "ort_trainer/ortmodule/__init__.py"):
         assert expected in names

@@ -28,7 +28,7 @@ def assert_unchanged(trainer, before, steps):
 
 @pytest.mark.parametrize("args, error, message", [
     ((nn.Linear(2, 2).state_dict(), models.MLP_DESC, optim.AdamConfig()), TypeError,
-     "model must be a torch.nn.Module, got OrderedDict"),
+     "model must be a torch.nn.Module or an onnx.ModelProto, got OrderedDict"),
     ((models.mlp(), models.MLP_DESC, {"lr": 0.1}), TypeError,
      "optim_config must be an optim.SGDConfig, optim.AdamConfig or optim.LambConfig, got dict"),
 ])

@@ -2,11 +2,12 @@
 import re
 
 import onnxruntime
+import onnxruntime.training
 import pytest
 import torch
 
 from ort_trainer._model_desc import InputDescription, ModelDescription, OutputDescription, parse_model_desc
-from ort_trainer._options import _NOT_YET_SUPPORTED, ORTTrainerOptions, _lookup
+from ort_trainer._options import _NOT_YET_SUPPORTED, ORTTrainerOptions, PropagateCastOpsStrategy, _lookup
 from ort_trainer._validation import load_schema, validate
 
 TOP_LEVEL_KEYS = ("_internal_use, batch, debug, device, distributed, graph_transformer, lr_scheduler, "
@@ -159,6 +160,9 @@ def _with_defaults(given, defaults=DEFAULT_OPTIONS):
     {"device": {"id": "cuda:1", "mem_limit": 2**30},
      "provider_options": {"CUDAExecutionProvider": {"arena_extend_strategy": "kSameAsRequested"}}},
     {"device": {"id": "cuda"}, "provider_options": {"CUDAExecutionProvider": {"gpu_mem_limit": 2**30}}},
+    {"graph_transformer": {"gelu_recompute": True, "attn_dropout_recompute": True,
+                           "transformer_layer_recompute": True, "number_recompute_layers": 3}},
+    {"utils": {"run_symbolic_shape_infer": True}, "_internal_use": {"enable_onnx_contrib_ops": False}},
 ])
 def test_options_valid(options):
     assert ORTTrainerOptions(options)._validated_opts == _with_defaults(options)
@@ -200,8 +204,19 @@ def test_options_objects_are_kept_as_given(path, value):
     ({"graph_transformer": {"propagate_cast_ops_config": {"strategy": "NONE"}}},
      "graph_transformer.propagate_cast_ops_config.strategy: must be one of 'INSERT_AND_REDUCE', 'FLOOD_FILL', "
      "got 'NONE'"),
+    ({"graph_transformer": {"propagate_cast_ops_config": {"strategy": PropagateCastOpsStrategy.NONE}}},
+     "graph_transformer.propagate_cast_ops_config.strategy: must be one of 'INSERT_AND_REDUCE', 'FLOOD_FILL', "
+     "got 'NONE'"),
+    ({"graph_transformer": {"propagate_cast_ops_config": {"strategy": 1}}},
+     "graph_transformer.propagate_cast_ops_config.strategy: must be a PropagateCastOpsStrategy or its name, "
+     "got 1 (int)"),
     ({"graph_transformer": {"propagate_cast_ops_config": {"level": -2}}},
      "graph_transformer.propagate_cast_ops_config.level: must be >= -1, got -2"),
+    ({"graph_transformer": {"number_recompute_layers": 2}},
+     "graph_transformer.number_recompute_layers: needs graph_transformer.transformer_layer_recompute=True (it "
+     "counts the layers that one recomputes), got 2"),
+    ({"graph_transformer": {"number_recompute_layers": -1, "transformer_layer_recompute": True}},
+     "graph_transformer.number_recompute_layers: must be >= 0, got -1"),
     ({"lr_scheduler": 0.1}, "lr_scheduler: must be an LR scheduler (an object with get_lr()), got 0.1 (float)"),
     ({"mixed_precision": {"loss_scaler": "dynamic"}},
      "mixed_precision.loss_scaler: must be a loss scaler (an object with update() and reset()), got 'dynamic' (str)"),
@@ -253,21 +268,15 @@ NON_DEFAULT = {
     "distributed.pipeline_parallel.sliced_axes": {"x": 0},
     "distributed.pipeline_parallel.sliced_tensor_names": ["x"],
     "distributed.enable_adasum": True,
-    "graph_transformer.attn_dropout_recompute": True,
-    "graph_transformer.gelu_recompute": True,
-    "graph_transformer.transformer_layer_recompute": True,
-    "graph_transformer.number_recompute_layers": 2,
     "graph_transformer.allow_layer_norm_mod_precision": True,
     "graph_transformer.propagate_cast_ops_config.strategy": "FLOOD_FILL",
     "graph_transformer.propagate_cast_ops_config.level": 1,
     "graph_transformer.propagate_cast_ops_config.allow": ["Add"],
     "utils.invertible_layer_norm_gradient": True,
-    "utils.run_symbolic_shape_infer": True,
     "utils.memory_efficient_gradient": True,
     "utils.dynamic_shapes": True,
     "_internal_use.enable_internal_postprocess": False,
     "_internal_use.extra_postprocess": print,
-    "_internal_use.enable_onnx_contrib_ops": False,
 }
 
 
@@ -290,13 +299,34 @@ def test_not_yet_supported(path):
 
 
 def test_not_yet_supported_lists_every_option_sorted():
-    options = {"utils": {"memory_efficient_gradient": True}, "graph_transformer": {"gelu_recompute": True},
-               "distributed": {"enable_adasum": True}}
+    options = {"utils": {"memory_efficient_gradient": True}, "distributed": {"enable_adasum": True},
+               "graph_transformer": {"allow_layer_norm_mod_precision": True}}
     message = ("Option(s) not supported yet: distributed.enable_adasum=True (Adasum), "
-               "graph_transformer.gelu_recompute=True (recomputation), "
+               "graph_transformer.allow_layer_norm_mod_precision=True (mixed precision), "
                "utils.memory_efficient_gradient=True (memory-efficient gradient)")
     with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         ORTTrainerOptions(options)
+
+
+@pytest.mark.parametrize("strategy", [PropagateCastOpsStrategy.INSERT_AND_REDUCE, "INSERT_AND_REDUCE",
+                                      onnxruntime.training.PropagateCastOpsStrategy.INSERT_AND_REDUCE],
+                         ids=["ours", "name", "onnxruntime"])
+def test_cast_strategy_is_taken_as_the_original_enum_or_its_name(strategy):
+    """The original took ONNX Runtime's enum; it reads back as the member's name, a plain str (checkpoints
+    keep the options as plain values)."""
+    options = ORTTrainerOptions({"graph_transformer": {"propagate_cast_ops_config": {"strategy": strategy}}})
+    assert type(options.graph_transformer.propagate_cast_ops_config.strategy) is str
+    assert options._validated_opts == DEFAULT_OPTIONS
+
+
+@pytest.mark.parametrize("strategy", [PropagateCastOpsStrategy.FLOOD_FILL,
+                                      onnxruntime.training.PropagateCastOpsStrategy.FLOOD_FILL],
+                         ids=["ours", "onnxruntime"])
+def test_a_cast_strategy_other_than_the_default_is_refused_by_name(strategy):
+    message = ("Option(s) not supported yet: graph_transformer.propagate_cast_ops_config.strategy='FLOOD_FILL' "
+               f"({_NOT_YET_SUPPORTED['graph_transformer.propagate_cast_ops_config.strategy']})")
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
+        ORTTrainerOptions({"graph_transformer": {"propagate_cast_ops_config": {"strategy": strategy}}})
 
 
 def test_not_yet_supported_accepts_defaults_spelled_out():

@@ -1,4 +1,4 @@
 """Loss scaling for mixed-precision (fp16) training."""
-from ._loss_scaler import DynamicLossScaler, LossScaler
+from .loss_scaler import DynamicLossScaler, LossScaler
 
 __all__ = ["LossScaler", "DynamicLossScaler"]

@@ -159,6 +159,7 @@ class AdamConfig(_OptimizerConfig):
 
     name: ClassVar[str] = "AdamOptimizer"
     _schema: ClassVar[str] = "optim_adam"
+    DecayMode: ClassVar[type[DecayMode]] = DecayMode  # the original's spelling, AdamConfig.DecayMode
 
     alpha: float = 0.9
     beta: float = 0.999

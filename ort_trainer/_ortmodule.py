@@ -1,0 +1,244 @@
+"""ORTModule: a torch.nn.Module whose forward runs an ONNX Runtime graph and whose backward (through
+torch.autograd) runs that graph's gradient, for any torch training loop.
+
+The wrapper shares the model's tables of parameters, buffers and submodules, so every nn.Module
+API sees the model's own names and tensors: `parameters()` for any torch optimizer, `state_dict()`
+keys that load into the plain model, `.to()`, DistributedDataParallel's gradient hooks (autograd
+accumulates the graph's gradients into `.grad`). Other attributes are the model's.
+"""
+import warnings
+
+import torch
+
+from ._binding import BindingError, bind_call, training_flags
+from ._export import custom_functions, probe_call
+from ._options import ORTTrainerOptions
+from ._ortmodule_graph import ModuleGraph, OutputSchema
+from ._ortmodule_options import FallbackPolicy, settings
+from ._session import GraphCache, Placement
+
+MAX_CACHED_GRAPHS = 8  # as ORTTrainer's utils.max_cached_graphs default
+_SHARED_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+_OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_placements"))
+_PYTORCH = "run the PyTorch model"  # a signature whose graph could not be compiled (fallback)
+
+
+class ORTModule(torch.nn.Module):
+    """Wraps `module` so that its forward and backward run in ONNX Runtime.
+
+    `model = ORTModule(model)` and the rest of the PyTorch loop stays: any torch optimizer, LR
+    scheduler, `clip_grad_norm_`, `DistributedDataParallel(ORTModule(model))`, autocast around the
+    loss, `state_dict()` (the model's keys), `torch.save`. Inputs are passed as `module.forward`
+    takes them (tensors by position or keyword; other arguments are constants of the call); any
+    tensor outputs come back in the structure forward() returns (tuples, dicts, ModelOutputs).
+
+    Each input signature (shapes, dtypes, device, which inputs and parameters require grad, the
+    constants, the modules' train/eval flags, grad mode, autocast) gets its own graph, compiled on
+    its first call (a bounded cache of MAX_CACHED_GRAPHS). A call with gradients runs ONNX
+    Runtime's forward and keeps its state; `backward()` runs the gradient graph from it (nothing
+    is recomputed). A call without (`torch.no_grad()`, nothing requires grad) runs the forward
+    graph alone.
+
+    Where a graph cannot be compiled (the export fails, an op has no gradient in ONNX Runtime, the
+    model changes buffers in its forward, an unsupported device), that signature runs the PyTorch
+    model instead, with a warning naming the cause; ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE
+    raises the error instead. `debug_options`: a DebugOptions (logging, saving the ONNX models).
+    """
+
+    def __init__(self, module, debug_options=None):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"ORTModule: module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, (ORTModule, torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            raise TypeError(f"ORTModule: module must be the model itself, got a {type(module).__name__}; wrap the "
+                            "model first: DistributedDataParallel(ORTModule(model)) (DataParallel is not supported)")
+        own_settings = settings(debug_options)
+        super().__init__()
+        for table in _SHARED_TABLES:
+            object.__setattr__(self, table, getattr(module, table))
+        object.__setattr__(self, "_original_module", module)
+        self._settings = own_settings
+        self._graphs = GraphCache(MAX_CACHED_GRAPHS)
+        self._placements = {}
+        self.training = module.training
+
+    @property
+    def module(self):
+        """The wrapped model (as the original ORTModule)."""
+        return self._original_module
+
+    # ---------------------------------------------------------------- the model's, not ours
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_original_module" not in self.__dict__:
+                raise
+            return getattr(self._original_module, name)
+
+    def __setattr__(self, name, value):
+        if name in _OWN or "_original_module" not in self.__dict__:
+            super().__setattr__(name, value)
+        else:
+            setattr(self._original_module, name, value)
+
+    def train(self, mode=True):
+        if not isinstance(mode, bool):
+            raise ValueError(f"ORTModule.train: mode must be a bool, got {mode!r}")
+        self._original_module.train(mode)
+        self.training = mode
+        return self
+
+    def apply(self, fn):
+        self._original_module.apply(fn)
+        return self
+
+    def state_dict(self, *args, **kwargs):
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _replicate_for_data_parallel(self):
+        raise TypeError("ORTModule does not support torch.nn.DataParallel (its replicas would share one model); "
+                        "use DistributedDataParallel(ORTModule(model))")
+
+    def __getstate__(self):
+        """Compiled graphs hold ONNX Runtime sessions: not pickled, compiled again after a load."""
+        state = dict(self.__dict__)
+        state["_graphs"], state["_placements"] = GraphCache(MAX_CACHED_GRAPHS), {}
+        return state
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, *args, **kwargs):
+        model = self._original_module
+        try:
+            binding, values = bind_call(model, args, kwargs)
+            named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            key = self._signature(binding, values, named)
+        except BindingError as error:
+            return self._fall_back(FallbackPolicy.FALLBACK_UNSUPPORTED_DATA, error, args, kwargs)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._compile(binding, values, named, needs_grad=key[-1])
+            self._graphs.put(key, graph)
+        if graph is _PYTORCH:
+            return model(*args, **kwargs)
+        feeds = graph.feeds(values, named)
+        outputs = _GraphFunction.apply(graph, *feeds) if graph.trains else graph.infer(feeds)
+        return graph.schema.rebuild(outputs)
+
+    def _signature(self, binding, values, named):
+        """What one compiled graph serves; the last item says whether the call needs gradients."""
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*values.values(), *named.values()))
+        inputs = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in values.items())
+        constants = tuple((name, type(value), value) for name, value in binding.constant_keywords.items())
+        model = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in named.items())
+        key = (inputs, binding.positional, constants, model,
+               training_flags(self._original_module), _autocast(), needs_grad)
+        try:
+            hash(key)
+        except TypeError:
+            unhashable = [name for name, value in binding.constant_keywords.items() if not _hashable(value)]
+            raise BindingError(f"arguments {unhashable} of forward{binding.signature} are constants of the call that "
+                               "cannot be compared with those of other calls (unhashable)") from None
+        return key
+
+    def _compile(self, binding, values, named, needs_grad):
+        """The graph of a new signature, or _PYTORCH when it cannot be compiled and the fallback
+        policy allows it. The model's own errors (its forward fails in PyTorch) propagate."""
+        model = self._original_module
+        output, changed = probe_call(model, binding, values, grad=needs_grad)
+        kind = FallbackPolicy.FALLBACK_UNSUPPORTED_DATA
+        try:
+            tensors = []
+            schema = OutputSchema(output, tensors)
+            functions = custom_functions(tensors)
+            del output, tensors  # and the autograd graph of the probe
+            kind = FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
+            if changed:
+                raise NotImplementedError(f"the model changes buffers {changed} in its forward (e.g. BatchNorm running "
+                                          "statistics in training mode), which an ONNX Runtime graph cannot write back")
+            if functions:
+                raise NotImplementedError(f"the model's outputs are computed through custom torch.autograd.Functions "
+                                          f"{functions}: the exported graph would differentiate their forward instead "
+                                          "of running their backward")
+            kind = FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
+            placement = self._placement(values, named)
+            kind = FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
+            return ModuleGraph(model, binding, values, schema, placement, self._settings, needs_grad)
+        except Exception as error:
+            if not self._settings.falls_back(kind):
+                raise
+            self._warn(kind, error)
+            return _PYTORCH
+
+    def _placement(self, values, named):
+        """The Placement of the device the model and inputs are on (one per device)."""
+        device = next((t.device for t in (*named.values(), *values.values())), torch.device("cpu"))
+        if device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"ONNX Runtime does not run on torch device {device}")
+        if device not in self._placements:
+            options = ORTTrainerOptions({"device": {"id": str(device)}})
+            self._placements[device] = Placement(options, torch.get_num_threads())
+        return self._placements[device]
+
+    def _fall_back(self, kind, error, args, kwargs):
+        """A call the graph cannot take: PyTorch runs it if the policy allows, else the error."""
+        if not self._settings.falls_back(kind):
+            raise error
+        self._warn(kind, error)
+        return self._original_module(*args, **kwargs)
+
+    def _warn(self, kind, error):
+        warnings.warn(f"ORTModule: {type(self._original_module).__name__} runs in PyTorch for this input signature "
+                      f"({kind.name}): {type(error).__name__}: {error}. Set ORTMODULE_FALLBACK_POLICY="
+                      "FALLBACK_DISABLE to raise instead", UserWarning, stacklevel=6)  # the caller of model(...)
+
+
+def _autocast():
+    """The autocast state (exports under autocast record its casts)."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
+def _hashable(value):
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+class _GraphFunction(torch.autograd.Function):
+    """Autograd's view of one graph call: forward in ONNX Runtime, backward from its kept state.
+
+    Inputs: the graph, then its feeds (the call's tensors, the parameters and buffers). The feeds
+    that require grad get the backward's gradients; outputs ONNX Runtime marks non-differentiable
+    are so for torch too. The feeds are saved (not copied: ONNX Runtime's state reads their memory
+    in the backward), so that changing one in place before backward() is torch's error, not a
+    wrong gradient."""
+
+    @staticmethod
+    def forward(ctx, graph, *feeds):
+        outputs, ctx.state = graph.run_forward(feeds)
+        ctx.graph = graph
+        ctx.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*feeds)
+        ctx.mark_non_differentiable(*(outputs[index] for index in graph.non_differentiable))
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *output_grads):
+        graph = ctx.graph
+        ctx.saved_tensors  # raises if a feed was changed in place since the forward
+        grads = []
+        for index, (grad, (shape, dtype, device)) in enumerate(zip(output_grads, ctx.outputs)):
+            if index in graph.non_differentiable:
+                continue
+            if grad is None:  # an output the loss does not use: zeros (a scalar where ONNX Runtime adds it)
+                grad = torch.zeros(shape if index in graph.full_shape_grads else (), dtype=dtype, device=device)
+            grads.append(grad)
+        state, ctx.state = ctx.state, None  # the forward's activations go as soon as the backward is done
+        return (None, *graph.run_backward(state, grads))

@@ -1,0 +1,185 @@
+"""ORTModule's settings: `DebugOptions`, `LogLevel`, and the `ORTMODULE_*` environment variables
+of ONNX Runtime's ORTModule (read once, when an ORTModule is created; the variables win over
+DebugOptions, as in the original).
+
+Implemented: ORTMODULE_ONNX_OPSET_VERSION, ORTMODULE_FALLBACK_POLICY, ORTMODULE_LOG_LEVEL,
+ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER. The others of the original are
+accepted at the value that matches what this ORTModule does and refused, by name, at any value
+that asks for a feature it lacks (`_REFUSED`); other `ORTMODULE_*` variables get a warning that
+they are not read.
+"""
+import enum
+import os
+import warnings
+from dataclasses import dataclass
+
+_OPSETS = range(14, 18)  # those our symbolics and graph fixes are tested on (ORTTrainer's range)
+DEFAULT_OPSET = 14
+
+# Variable -> (value that matches this ORTModule, why any other value is refused).
+_PYTHON_OP = ("custom torch.autograd.Functions are not run as PythonOps inside the graph here: a model whose "
+              "outputs need the backward of one runs in PyTorch (the fallback)")
+_REFUSED = {
+    "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": ("0", _PYTHON_OP),
+    "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT": ("1", _PYTHON_OP),
+    "ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": ("", _PYTHON_OP),
+    "ORTMODULE_ENABLE_SPARSE_OPTIMIZER": ("0", "the input-sparsity optimizations (embedding and label padding "
+                                          "removal) are not implemented"),
+    "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": ("0", "the embedding-sparsity optimization is not implemented"),
+    "ORTMODULE_PRINT_INPUT_DENSITY": ("0", "the input-density inspector is not implemented"),
+    "ORTMODULE_PRINT_MEMORY_STATS": ("0", "the memory inspector is not implemented"),
+}
+_READ = {"ORTMODULE_ONNX_OPSET_VERSION", "ORTMODULE_FALLBACK_POLICY", "ORTMODULE_LOG_LEVEL",
+         "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", *_REFUSED}
+
+
+class LogLevel(enum.IntEnum):
+    """How much ORTModule and ONNX Runtime say (ONNX Runtime's severities)."""
+
+    VERBOSE = 0
+    INFO = 1
+    WARNING = 2
+    ERROR = 3
+    FATAL = 4
+
+
+class DebugOptions:
+    """ORTModule's debugging options, as in ONNX Runtime's ORTModule.
+
+    Args:
+        log_level: a `LogLevel`; ORTMODULE_LOG_LEVEL (a LogLevel name) wins over it. At INFO and
+            below, one line per compiled graph (what was exported, how long it took) to the
+            `ort_trainer.ortmodule` logger, and ONNX Runtime's own info (VERBOSE: verbose) logs;
+            at WARNING (the default) ONNX Runtime prints its errors only.
+        save_onnx: write the ONNX models of every compiled graph (`<onnx_prefix>_<stage>_<mode>.onnx`,
+            stage `torch_exported`, `pre_grad` (training only), `optimized`, `execution_model`; mode
+            `training` or `inference`) into ORTMODULE_SAVE_ONNX_PATH, default the working directory.
+            A later graph of the same mode overwrites them.
+        onnx_prefix: the file name prefix; required with save_onnx.
+    """
+
+    def __init__(self, log_level=LogLevel.WARNING, save_onnx=False, onnx_prefix=""):
+        if not isinstance(log_level, LogLevel):
+            raise TypeError(f"DebugOptions: log_level must be a LogLevel, got {log_level!r}")
+        if not isinstance(save_onnx, bool):
+            raise TypeError(f"DebugOptions: save_onnx must be a bool, got {save_onnx!r}")
+        if not isinstance(onnx_prefix, str):
+            raise TypeError(f"DebugOptions: onnx_prefix must be a str, got {onnx_prefix!r}")
+        if save_onnx and not onnx_prefix:
+            raise ValueError("DebugOptions: save_onnx=True needs an onnx_prefix (the saved files' name prefix), "
+                             "got ''")
+        self.log_level = log_level
+        self.save_onnx = save_onnx
+        self.onnx_prefix = onnx_prefix
+
+
+class FallbackPolicy(enum.IntFlag):
+    """ORTMODULE_FALLBACK_POLICY's names: which failures to compile a graph run the PyTorch model
+    instead (with a warning); FALLBACK_DISABLE raises them. The default is the four kinds."""
+
+    FALLBACK_DISABLE = 1
+    FALLBACK_FORCE_TORCH_FORWARD = 2
+    FALLBACK_UNSUPPORTED_DEVICE = 8
+    FALLBACK_UNSUPPORTED_DATA = 16
+    FALLBACK_UNSUPPORTED_TORCH_MODEL = 32
+    FALLBACK_UNSUPPORTED_ONNX_MODEL = 64
+
+
+DEFAULT_FALLBACK = (FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE | FallbackPolicy.FALLBACK_UNSUPPORTED_DATA
+                    | FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL | FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL)
+_NOT_HERE = {"FALLBACK_FORCE_TORCH_BACKWARD": "a backward never falls back here (its forward ran in ONNX Runtime)",
+             "FALLBACK_BAD_INITIALIZATION": "creating an ORTModule does no work that could fail"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one ORTModule reads from DebugOptions and the environment."""
+
+    log_level: LogLevel
+    opset: int
+    fallback: FallbackPolicy
+    compute_optimizer: bool
+    save_directory: str | None  # None: save nothing
+    onnx_prefix: str
+
+    @property
+    def ort_severity(self):
+        """ONNX Runtime's log severity: at the default WARNING its errors only (its warnings are
+        about its own graph passes, e.g. nodes no gradient flows through); VERBOSE and INFO show
+        its verbose and info logs."""
+        return LogLevel.ERROR if self.log_level == LogLevel.WARNING else self.log_level
+
+    def falls_back(self, kind):
+        """Whether a failure of `kind` (a FallbackPolicy member) runs PyTorch instead of raising."""
+        if FallbackPolicy.FALLBACK_DISABLE in self.fallback:
+            return False
+        return FallbackPolicy.FALLBACK_FORCE_TORCH_FORWARD in self.fallback or kind in self.fallback
+
+
+def settings(debug_options, environ=os.environ):
+    """The Settings of DebugOptions (or None) under `environ`; every bad value raises, naming it."""
+    if debug_options is None:
+        debug_options = DebugOptions()
+    elif not isinstance(debug_options, DebugOptions):
+        raise TypeError(f"ORTModule: debug_options must be a DebugOptions or None, got {type(debug_options).__name__}")
+    for name, (accepted, why) in _REFUSED.items():
+        value = environ.get(name)
+        if value is not None and value.strip() != accepted:
+            raise ValueError(f"{name}={value!r} is not supported by ort_trainer's ORTModule: {why} "
+                             f"(unset it, or set it to {accepted!r})")
+    unknown = sorted(name for name in environ if name.startswith("ORTMODULE_") and name not in _READ)
+    if unknown:
+        warnings.warn(f"ORTModule: environment variables {unknown} are not read by ort_trainer's ORTModule "
+                      f"(it reads {sorted(_READ)})")
+    save_directory = None
+    if debug_options.save_onnx:
+        save_directory = environ.get("ORTMODULE_SAVE_ONNX_PATH") or os.getcwd()
+        if not os.path.isdir(save_directory) or not os.access(save_directory, os.W_OK):
+            raise ValueError(f"ORTModule: ORTMODULE_SAVE_ONNX_PATH={save_directory!r} must be a writable directory "
+                             "for DebugOptions(save_onnx=True)")
+    return Settings(log_level=_log_level(environ, debug_options.log_level), opset=_opset(environ),
+                    fallback=_fallback(environ), compute_optimizer=_flag(environ, "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"),
+                    save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix)
+
+
+def _log_level(environ, default):
+    value = environ.get("ORTMODULE_LOG_LEVEL")
+    if value is None:
+        return default
+    if value not in LogLevel.__members__:
+        raise ValueError(f"ORTMODULE_LOG_LEVEL={value!r} must be one of {list(LogLevel.__members__)}")
+    return LogLevel[value]
+
+
+def _opset(environ):
+    value = environ.get("ORTMODULE_ONNX_OPSET_VERSION")
+    if value is None:
+        return DEFAULT_OPSET
+    if not value.strip().isdigit() or int(value) not in _OPSETS:
+        raise ValueError(f"ORTMODULE_ONNX_OPSET_VERSION={value!r} must be an ONNX opset from {_OPSETS.start} to "
+                         f"{_OPSETS.stop - 1}")
+    return int(value)
+
+
+def _fallback(environ):
+    """ORTMODULE_FALLBACK_POLICY: FallbackPolicy names joined by '|'."""
+    value = environ.get("ORTMODULE_FALLBACK_POLICY")
+    if value is None:
+        return DEFAULT_FALLBACK
+    policy = FallbackPolicy(0)
+    for name in (part.strip() for part in value.split("|")):
+        if name in _NOT_HERE:
+            raise ValueError(f"ORTMODULE_FALLBACK_POLICY={value!r}: {name} is not supported: {_NOT_HERE[name]}")
+        if name not in FallbackPolicy.__members__:
+            raise ValueError(f"ORTMODULE_FALLBACK_POLICY={value!r}: {name!r} is not one of "
+                             f"{list(FallbackPolicy.__members__)} (join several with '|')")
+        policy |= FallbackPolicy[name]
+    return policy
+
+
+def _flag(environ, name):
+    """A 0/1 variable, default 1."""
+    value = environ.get(name, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r} must be 0 or 1")
+    return value == "1"
