@@ -30,7 +30,8 @@ LOGGER = logging.getLogger("ort_trainer.ortmodule")
 _CONSTANT_LEAVES = (type(None), bool, int, float, str)
 _ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
                torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE,
-               torch.int64: onnx.TensorProto.INT64, torch.int32: onnx.TensorProto.INT32, torch.bool: onnx.TensorProto.BOOL}
+               torch.int64: onnx.TensorProto.INT64, torch.int32: onnx.TensorProto.INT32,
+               torch.bool: onnx.TensorProto.BOOL}
 _UNREACHABLE = re.compile(r"Cannot compute the partial derivative for '([^']+)' as it's unreachable")
 
 
