@@ -7,6 +7,7 @@ import copy
 import functools
 import importlib.resources
 import numbers
+import os
 import re
 import reprlib
 from collections.abc import Callable, Mapping
@@ -139,6 +140,11 @@ class Validator(cerberus.Validator):
     def _check_with_device_id(self, field, value):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
             self._error(field, f"must be 'cpu', 'cuda' or 'cuda:N' (N a device index), got {_show(value)}")
+
+    def _check_with_file_path(self, field, value):
+        """A path a graph is written to: '' (not written) or a file, not a directory."""
+        if value and (value.endswith(("/", os.sep)) or os.path.isdir(value)):
+            self._error(field, f"must be a file path, got {_show(value)} (a directory)")
 
     def _check_with_provider_options(self, field, value):
         """A provider of ``provider_options`` (``field``, its options ``value``) must be one the trainer

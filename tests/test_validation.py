@@ -446,3 +446,11 @@ def test_load_schema_returns_a_fresh_copy(name):
     schema = load_schema(name)
     schema.clear()
     assert load_schema(name)
+
+
+@pytest.mark.parametrize("path", ["graphs/", "."], ids=["trailing-separator", "existing-directory"])
+def test_a_graph_save_path_naming_a_directory_is_refused(path):
+    with pytest.raises(ValueError, match=re.escape(
+            f"Invalid options: debug.graph_save_paths.eval_model_path: must be a file path, got '{path}' "
+            "(a directory)")):
+        ORTTrainerOptions({"debug": {"graph_save_paths": {"eval_model_path": path}}})
