@@ -28,35 +28,13 @@ def used_parameters(model):
     return {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
 
 
-_DROPOUT_TRAINING_MODE = "ort_trainer_dropout_training_mode"
-
-
 def add_second_outputs(model):
     """Give Dropout, SoftmaxCrossEntropyLoss and LayerNormalization the optional outputs their
-    gradients read (in place); a Dropout without training_mode input drops (see below)."""
-    attention_dropout_in_training_mode(model)
+    gradients read (in place)."""
     for node in model.graph.node:
         while 0 < len(node.output) < _OUTPUTS_THE_GRADIENT_READS.get(node.op_type, 0):
             suffix = "__second_output" if len(node.output) == 1 else f"__output{len(node.output)}"
             node.output.append(node.output[0] + suffix)
-
-
-def attention_dropout_in_training_mode(model):
-    """Dropouts exported without a training_mode input get a constant True one (in place).
-
-    Why: torch's scaled_dot_product_attention symbolic (nn.MultiheadAttention, transformers'
-    sdpa attention) emits Dropout(weights, ratio), an inference-mode Dropout that drops nothing,
-    although sdpa drops whenever dropout_p > 0, while ORT's DropoutGrad still divides by
-    1 - ratio: the forward would skip the dropout torch applies and the gradients through the
-    attention weights would be 1/(1 - p) too large. nn.Dropout exports with training_mode."""
-    dropouts = [node for node in model.graph.node if node.op_type == "Dropout" and len(node.input) == 2]
-    if not dropouts:
-        return
-    if _DROPOUT_TRAINING_MODE not in {output for node in model.graph.node for output in node.output}:
-        model.graph.node.insert(0, onnx.helper.make_node("Constant", [], [_DROPOUT_TRAINING_MODE], value=(
-            onnx.helper.make_tensor(_DROPOUT_TRAINING_MODE, onnx.TensorProto.BOOL, [], [True]))))
-    for node in dropouts:
-        node.input.append(_DROPOUT_TRAINING_MODE)
 
 
 def parameters_as_inputs(model, parameter_names):

@@ -41,7 +41,8 @@ def _text(value):
 
 def to_our_layout(state_dict, *, optimizer_name, state_names, current):
     """The original's state_dict as `ORTTrainer.state_dict()` lays it out. `current`: this
-    trainer's own state_dict (its scheduler and loss-scaler state are kept)."""
+    trainer's train_step_info, lr_scheduler, loss_scaler and trainer_options sections (its
+    scheduler and loss-scaler state are kept)."""
     if "partition_info" in state_dict:
         raise ValueError("load_state_dict: this state_dict of the original ORTTrainer holds one rank's shard "
                          "(partition_info: ZeRO or Megatron); aggregate the ranks' checkpoints with the original's "

@@ -87,8 +87,12 @@ def _cast(g, value, scalar_type):
 
 @symbolic_helper.parse_args("v", "v", "v", "v", "f", "b", "v", "b")
 def _attention(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """torch's sdpa symbolic, with a boolean mask turned into the dtype's lowest finite value
-    instead of -inf.
+    """torch's sdpa symbolic, with its dropout in training mode and a boolean mask turned into
+    the dtype's lowest finite value instead of -inf.
+
+    Dropout: torch's symbolic emits Dropout(weights, ratio) without a training_mode input, a
+    Dropout that drops nothing, although sdpa drops whenever dropout_p > 0; ORT's DropoutGrad
+    would still divide by 1 - ratio (gradients through the attention weights 1/(1-p) too large).
 
     Why: with -inf, a query row that may attend to no key (left padding in a causal LM) comes
     out of Softmax as NaN; torch's symbolic zeroes that output, but ORT's Softmax gradient still
@@ -99,15 +103,25 @@ def _attention(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     attention = symbolic_opset14.scaled_dot_product_attention
     if (symbolic_helper._is_none(attn_mask)
             or torch.onnx.JitScalarType.from_value(attn_mask) != torch.onnx.JitScalarType.BOOL):
-        return attention(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return _dropping(g, attention(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa))
     dtype = torch.onnx.JitScalarType.from_value(query)
     allowed, masked = (g.op("Constant", value_t=torch.tensor([number], dtype=dtype.dtype()))
                        for number in (0.0, torch.finfo(dtype.dtype()).min))
-    output = attention(g, query, key, value, g.op("Where", attn_mask, allowed, masked), dropout_p, is_causal,
-                       scale, enable_gqa)
+    output = _dropping(g, attention(g, query, key, value, g.op("Where", attn_mask, allowed, masked), dropout_p,
+                                    is_causal, scale, enable_gqa))
     mask = g.op("Cast", attn_mask, to_i=dtype.onnx_type())
     row_allows_a_key = g.op("ReduceMax", mask, axes_i=[-1], keepdims_i=1)  # axes attribute: opsets 14-17
     return g.op("Mul", output, row_allows_a_key)
+
+
+def _dropping(g, output):
+    """`output` (sdpa's final MatMul) with the Dropout before it, if any, given training_mode=True."""
+    dropout = output.node().inputsAt(0).node()
+    if dropout.kind() == "onnx::Dropout" and dropout.inputsSize() == 2:
+        training_mode = g.op("Constant", value_t=torch.tensor(True))
+        training_mode.node().moveBefore(dropout)
+        dropout.addInput(training_mode)
+    return output
 
 
 def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):

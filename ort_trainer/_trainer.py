@@ -196,12 +196,14 @@ class ORTTrainer:
         model = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
         if pytorch_format:
             return model
-        info = self._train_step_info
         with self._placement.step():  # the optimizer state as the last update left it
             optimizer = self._optimizer_state_dict()
+        return {"model": model, "optimizer": optimizer, **self._counters_and_components()}
+
+    def _counters_and_components(self):
+        """The state_dict sections besides the weights and the optimizer state."""
+        info = self._train_step_info
         return {
-            "model": model,
-            "optimizer": optimizer,
             "train_step_info": {"step": info.step, "optimization_step": info.optimization_step},
             "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
             "loss_scaler": None if self._loss_scaler is None else self._loss_scaler.state_dict(),
@@ -216,7 +218,7 @@ class ORTTrainer:
         if _legacy_checkpoint.is_original_layout(state_dict):
             state_dict = _legacy_checkpoint.to_our_layout(
                 state_dict, optimizer_name=self.optim_config.name, state_names=state_names(self.optim_config.name),
-                current=self.state_dict())
+                current=self._counters_and_components())
         _checkpoint.check_trainer_state(
             state_dict, model=self.model, optimizer_name=self.optim_config.name,
             optimizer_state_names=state_names(self.optim_config.name), trained=self._trained_parameters(),

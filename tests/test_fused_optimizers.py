@@ -50,7 +50,7 @@ def rel_err(actual, expected):
 
 def assert_close(actual_params, expected_params, rtol=RTOL):
     for index, (a, e) in enumerate(zip(actual_params, expected_params)):
-        assert rel_err(a.detach(), e.detach()) < rtol, index
+        assert rel_err(a.detach().cpu(), torch.as_tensor(e).detach().cpu()) < rtol, index
 
 
 def assert_same_state(ours, theirs, rtol=RTOL):
@@ -60,7 +60,7 @@ def assert_same_state(ours, theirs, rtol=RTOL):
     for index in theirs:
         assert float(ours[index]["step"]) == float(theirs[index]["step"]), index
         for key in ("exp_avg", "exp_avg_sq"):
-            assert rel_err(ours[index][key], theirs[index][key]) < rtol, (index, key)
+            assert rel_err(ours[index][key].cpu(), theirs[index][key].cpu()) < rtol, (index, key)
 
 
 # ----------------------------------------------------------------------------------------------

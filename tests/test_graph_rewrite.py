@@ -249,8 +249,12 @@ def test_attention_dropout_drops_in_the_training_graph(tmp_path):
     x = torch.randn(2, 4, 8)
     losses = {trainer.train_step(x).item() for _ in range(6)}
     assert len(losses) > 1  # a mask drawn per step
-    dropouts = [node for node in onnx.load(path).graph.node if node.op_type == "Dropout"]
-    assert len(dropouts) == 1 and dropouts[0].input[2] == "ort_trainer_dropout_training_mode"
+    graph = onnx.load(path).graph
+    dropouts = [node for node in graph.node if node.op_type == "Dropout"]
+    constants = {node.output[0]: onnx.numpy_helper.to_array(node.attribute[0].t) for node in graph.node
+                 if node.op_type == "Constant"}
+    constants.update({tensor.name: onnx.numpy_helper.to_array(tensor) for tensor in graph.initializer})
+    assert len(dropouts) == 1 and constants[dropouts[0].input[2]].item() is True
     with torch.no_grad():
         expected = trainer.model.eval()(x).item()
     assert trainer.eval_step(x).item() == pytest.approx(expected, rel=1e-5)

@@ -10,13 +10,12 @@ import torch
 cupy = pytest.importorskip("cupy")
 
 from ort_trainer.optim import FusedAdam, FusedLamb  # noqa: E402
-from tests.test_fused_optimizers import (DEFAULT_HYPER, SHAPES, ApexMath, make_params,  # noqa: E402
-                                         rel_err, set_grads)
+from tests.test_fused_optimizers import (DEFAULT_HYPER, SHAPES, ApexMath, assert_close,  # noqa: E402
+                                         assert_same_state, make_params, set_grads)
 
 pytestmark = pytest.mark.gpu
 
 STEPS = 100
-RTOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -36,20 +35,6 @@ def set_cuda_grads(param_lists, step, generator):
     for params in param_lists:
         for p, q in zip(params, cpu[0]):
             p.grad = None if q.grad is None else q.grad.to(p.device)
-
-
-def assert_close(actual, expected, rtol=RTOL):
-    for index, (a, e) in enumerate(zip(actual, expected)):
-        assert rel_err(a.detach().cpu(), torch.as_tensor(e).cpu()) < rtol, index
-
-
-def assert_same_state(ours, theirs, rtol=RTOL):
-    ours, theirs = ours.state_dict()["state"], theirs.state_dict()["state"]
-    assert sorted(ours) == sorted(theirs)
-    for index in theirs:
-        assert float(ours[index]["step"]) == float(theirs[index]["step"]), index
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert rel_err(ours[index][key].cpu(), theirs[index][key].cpu()) < rtol, (index, key)
 
 
 def test_fused_adam_matches_torch_fused_adamw_on_the_gpu():
