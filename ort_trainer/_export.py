@@ -73,15 +73,17 @@ def rng_kept(model, tensors):
 
 
 def probe(model, loss_fn, binding, values, output_names):
-    """One no-grad forward of model + loss as exported, every module in its own train/eval state.
+    """One forward of model + loss as exported, autograd recording, every module in its own
+    train/eval state.
 
     Returns (the declared outputs, names of buffers the forward changed). Binding and output
     errors surface here, before any export. A changed buffer (BatchNorm running statistics in
-    training mode...) is one the training graph cannot write back, so the trainer refuses such
-    models rather than train them silently wrong. Buffers and the RNG state are restored.
+    training mode...) is one the training graph cannot write back, and the recorded autograd graph
+    shows custom autograd.Functions, whose backward the training graph would not run: the trainer
+    refuses such models rather than train them silently wrong. Buffers and the RNG are restored.
     """
     names, tensors = present_inputs(values)
-    return _probed(model, tensors, TracedStep(model, loss_fn, binding, names, output_names))
+    return _probed(model, tensors, TracedStep(model, loss_fn, binding, names, output_names), grad=True)
 
 
 def probe_call(model, binding, values, grad=False):
@@ -109,6 +111,17 @@ def custom_functions(tensors):
     return sorted(found)
 
 
+def custom_functions_refused(functions, remedy):
+    """The error for a model computed through custom autograd.Functions (`custom_functions`),
+    ending with what the caller can do about it."""
+    if any(name.startswith("torch.utils.checkpoint.") for name in functions):
+        remedy = ("torch.utils.checkpoint with use_reentrant=True: leave the checkpointing out (Hugging Face: "
+                  "model.gradient_checkpointing_disable()) or call it with use_reentrant=False")
+    return NotImplementedError(
+        f"the model's outputs are computed through custom torch.autograd.Functions {functions}: the exported "
+        f"graph would differentiate their inlined forward instead of running their backward ({remedy})")
+
+
 def _probed(model, tensors, forward, grad=False):
     """(forward(*tensors), names of the buffers it changed), buffers and RNG restored."""
     buffers = dict(model.named_buffers())
@@ -127,6 +140,11 @@ def check_traceable(model, loss_fn, binding, desc, values):
     """Before an export: the probe's forward must leave every buffer alone and give model_desc's
     output shapes (named dims resolved from the inputs)."""
     declared, mutated = probe(model, loss_fn, binding, values, desc.output_names)
+    functions = custom_functions(declared)
+    declared = [tensor.detach() for tensor in declared]  # the shapes are what is read on
+    if functions:
+        raise custom_functions_refused(functions, "write their forward with differentiable torch operations, "
+                                       "or wrap the model in ORTModule, which runs such models in PyTorch")
     if mutated:
         raise NotImplementedError(
             f"the model updates buffers {mutated} in training mode (e.g. BatchNorm running statistics); "

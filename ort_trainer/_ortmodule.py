@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from ._binding import BindingError, bind_call, training_flags
-from ._export import custom_functions, probe_call
+from ._export import custom_functions, custom_functions_refused, probe_call
 from ._options import ORTTrainerOptions
 from ._ortmodule_graph import ModuleGraph, OutputSchema
 from ._ortmodule_options import FallbackPolicy, settings
@@ -159,9 +159,7 @@ class ORTModule(torch.nn.Module):
                 raise NotImplementedError(f"the model changes buffers {changed} in its forward (e.g. BatchNorm running "
                                           "statistics in training mode), which an ONNX Runtime graph cannot write back")
             if functions:
-                raise NotImplementedError(f"the model's outputs are computed through custom torch.autograd.Functions "
-                                          f"{functions}: the exported graph would differentiate their forward instead "
-                                          "of running their backward")
+                raise custom_functions_refused(functions, "they run in PyTorch under the default fallback policy")
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
             placement = self._placement(values, named)
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL

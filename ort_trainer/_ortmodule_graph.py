@@ -31,7 +31,8 @@ _CONSTANT_LEAVES = (type(None), bool, int, float, str)
 _ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
                torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE,
                torch.int64: onnx.TensorProto.INT64, torch.int32: onnx.TensorProto.INT32,
-               torch.bool: onnx.TensorProto.BOOL}
+               torch.int16: onnx.TensorProto.INT16, torch.int8: onnx.TensorProto.INT8,
+               torch.uint8: onnx.TensorProto.UINT8, torch.bool: onnx.TensorProto.BOOL}
 _UNREACHABLE = re.compile(r"Cannot compute the partial derivative for '([^']+)' as it's unreachable")
 
 
@@ -104,9 +105,13 @@ class ModuleGraph:
         requiring_grad = [name for name in user if needs_grad and values[name].requires_grad]
         model_proto, differentiated = self._build(exported, initializers + aliases, trainable, requiring_grad,
                                                   outputs, settings)
-        if placement.substitute_kernels is not None:
+        if needs_grad or placement.substitute_kernels is not None:
             _describe_outputs(model_proto, outputs, schema)
+        if placement.substitute_kernels is not None:
             placement.substitute_kernels(model_proto, model_proto)  # each rewrite finds its nodes in either kind
+        self._backward_outputs = [o.name for o in model_proto.graph.output]
+        if needs_grad:
+            _forward_outputs_as_graph_outputs(model_proto, outputs)
         _save(settings, model_proto, "optimized", needs_grad)
         self._session(model_proto, settings)
         # Each graph input: (0, input name) of the call, (1, torch name) of a parameter or buffer,
@@ -198,7 +203,7 @@ class ModuleGraph:
         device = C.OrtDevice(C.OrtDevice.cuda() if placement.ort_device == "cuda" else C.OrtDevice.cpu(),
                              C.OrtDevice.default_memory(), placement.index)
         self._inputs = [i.name for i in model_proto.graph.input]
-        self._outputs = [o.name for o in model_proto.graph.output]
+        self._outputs = self._backward_outputs
         if self.trains:
             self._agent = C.TrainingAgent(self._ort_session._sess, self._inputs, [device] * len(self.schema.shapes),
                                           self._outputs, [device] * len(self._outputs), placement.index)
@@ -232,19 +237,14 @@ class ModuleGraph:
     def run_forward(self, feeds):
         """(outputs, state): the forward of a training call; `state` keeps what its backward reads.
 
-        The outputs are copies (into the device's output memory, `_memory`): ONNX Runtime plans
-        them as intermediates of the whole graph (they are the YieldOp's inputs), so the backward
-        reuses their memory (GPT-2's loss read 0.0 after backward()). Copying them costs less than
-        turning off its memory planning (what the original ORTModule did: no memory pattern, no
-        buffer reuse) for every activation."""
+        The outputs are the graph's own (no copy): `_forward_outputs_as_graph_outputs` keeps their
+        memory out of the backward's reuse and out of the memory pattern, so they live as long as
+        the caller holds them."""
         state, fetched = C.PartialGraphExecutionState(), C.OrtValueVector()
-        memory = self._placement.memory
         self._before_first_run()
         with self._placement.step():
             self._agent.run_forward(_ort_values(feeds), fetched, state, None)
-            outputs = [memory.output_tensor(tensor.shape, tensor.dtype).copy_(tensor)
-                       for tensor in _torch_tensors(fetched)]
-        return self._placement.returned(outputs), state
+        return self._placement.returned(_torch_tensors(fetched)), state
 
     def run_backward(self, state, output_grads):
         """The gradients of the forward's inputs that require one (None for the others), in feed
@@ -271,6 +271,16 @@ def _describe_outputs(model_proto, names, schema):
     for name, dtype, shape in zip(names, schema.dtypes, schema.shapes):
         if name not in described and dtype in _ONNX_TYPES:
             model_proto.graph.value_info.append(onnx.helper.make_tensor_value_info(name, _ONNX_TYPES[dtype], shape))
+
+
+def _forward_outputs_as_graph_outputs(model_proto, names):
+    """Makes the forward's outputs (the YieldOp's inputs) outputs of the training graph too, in
+    place. ONNX Runtime otherwise plans them as intermediates: the backward reuses their memory
+    (GPT-2's loss read 0.0 after backward()) and the memory pattern frees it with the forward's
+    state. A graph output gets a buffer of its own that the fetched tensor owns. The backward
+    fetches only the gradients (the graph's outputs before this)."""
+    described = {value.name: value for value in model_proto.graph.value_info}
+    model_proto.graph.output.extend(described[name] for name in names)
 
 
 def _shapes_differ(serialized, shapes):

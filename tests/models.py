@@ -52,6 +52,19 @@ MLP_DESC = {"inputs": [("x", ["batch", 12]), ("target", ["batch"])],
             "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
 
 
+class StraightThroughClamp(torch.autograd.Function):
+    """Clamps forward, passes the gradient through unchanged: a backward that is not the
+    derivative of the forward, so a graph differentiating the forward trains other weights."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clamp(-1, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def mlp_batch(step, batch=8):
     generator = torch.Generator().manual_seed(2000 + step)
     return torch.randn(batch, 12, generator=generator), torch.randint(0, 5, (batch,), generator=generator)

@@ -124,6 +124,22 @@ def test_hugging_face_gpt2_trains_like_eager_and_returns_its_model_output():
     assert _relative(ours.logits, eager.logits) <= 1e-5
 
 
+def test_outputs_are_not_overwritten_by_their_backward_or_later_calls():
+    model = ORTModule(models.transformer())
+    kept = []
+    for step in range(3):
+        src, targets = models.transformer_batch(step)
+        output = model(src)
+        models.transformer_loss(output, targets).backward()
+        kept.append((output, output.detach().clone()))
+    unbackwarded = model(models.transformer_batch(3)[0])
+    expected = unbackwarded.detach().clone()
+    models.transformer_loss(model(models.transformer_batch(4)[0]), models.transformer_batch(4)[1]).backward()
+    for output, expected_output in [*kept, (unbackwarded, expected)]:
+        assert torch.equal(output, expected_output)
+    assert len({output.data_ptr() for output, _ in kept}) == len(kept)
+
+
 class WithLoss(nn.Module):
     """The seed transformer with its loss inside the wrapped module (as Hugging Face models have)."""
 
@@ -324,23 +340,13 @@ class RunningNorm(nn.Module):
         return self.norm(self.linear(x))
 
 
-class Clamp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clamp(-1, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 class WithFunction(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x):
-        return Clamp.apply(self.linear(x))
+        return models.StraightThroughClamp.apply(self.linear(x))
 
 
 class Spectrum(nn.Module):
@@ -374,7 +380,9 @@ def test_fallback_runs_pytorch_with_a_warning_naming_the_cause():
     clamped = ORTModule(WithFunction())
     with pytest.warns(UserWarning, match=r"\(FALLBACK_UNSUPPORTED_TORCH_MODEL\): NotImplementedError: the model's "
                                          r"outputs are computed through custom torch.autograd.Functions "
-                                         r"\['tests.test_ortmodule.Clamp'\]: the exported graph would differentiate"):
+                                         r"\['tests.models.StraightThroughClamp'\]: the exported graph would differentiate "
+                                         r"their inlined forward instead of running their backward \(they run in "
+                                         r"PyTorch under the default fallback policy\)"):
         (clamped(x) * 100).sum().backward()
     assert torch.equal(clamped.linear.bias.grad, torch.full((4,), 800.0))  # its own backward: straight through
     with pytest.warns(UserWarning, match=r"\(FALLBACK_UNSUPPORTED_ONNX_MODEL\): ExportError: exporting the model to "
