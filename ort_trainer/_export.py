@@ -176,7 +176,7 @@ def eval_graph_differs(graph, model, loss_fn, binding, values, output_names, fet
         model.eval()
         expected = dict(zip(output_names, TracedStep(model, loss_fn, binding, names, output_names)(*tensors)))
     try:
-        ours = graph.run(False, values)
+        ours = graph.run(False, values, quiet=True)
     except Exception as error:  # e.g. a Reshape to a size the exporter baked in
         return f"the exported graph fails: {type(error).__name__}: {str(error).splitlines()[0]}"
     for name, tensor in zip(fetched, ours):

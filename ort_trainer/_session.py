@@ -54,6 +54,7 @@ class Placement:
         self.threads = threads
         self.deterministic = options.debug.deterministic_compute
         self.xp, self.stream, self.run_options = np, None, None
+        self.quiet_run_options = _run_options(log_severity_level=4)
         self.substitute_kernels = substitute_cpu_kernels if self.ort_device == "cpu" else None
         self.providers = ["CPUExecutionProvider"]
         if self.ort_device == "cuda":
@@ -67,8 +68,8 @@ class Placement:
         self.providers = [("CUDAExecutionProvider", {
             "device_id": str(self.index), "has_user_compute_stream": "1",
             "user_compute_stream": str(self.stream.cuda_stream)}), "CPUExecutionProvider"]
-        self.run_options = onnxruntime.RunOptions()
-        self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        self.run_options = _run_options(disable_synchronize_execution_providers="1")
+        self.quiet_run_options = _run_options(log_severity_level=4, disable_synchronize_execution_providers="1")
 
     def allocating(self):
         """Context in which new CuPy buffers land on this device (flat buffers, optimizer state)."""
@@ -184,12 +185,13 @@ class CompiledGraph:
                                      _pointer(self._flat.view(grads, name)))
             self._grads_bound_to = grads
 
-    def run(self, training, inputs, grads=None):
+    def run(self, training, inputs, grads=None, quiet=False):
         """Runs one step on the bound buffers; returns the user outputs as new torch tensors.
 
         `inputs`: {input name: tensor} (the graph's inputs; other entries are ignored).
         Training writes the gradients into `grads` (the flat gradient buffer or a scratch buffer
-        of the same layout); eval computes no gradient.
+        of the same layout); eval computes no gradient. `quiet`: ONNX Runtime logs no error of its
+        own (a run whose failure the caller expects and handles, as the proof of a re-derived graph).
         """
         first_run = training not in self._sessions
         if first_run:  # build and run on the memory in use, not on another session's free block
@@ -206,10 +208,19 @@ class CompiledGraph:
             tensor = self._placement.memory.output_tensor(shape, dtype)
             self._placement.bind_tensor(binding, name, True, tensor)
             outputs.append(tensor)
-        session.run_with_iobinding(binding, self._placement.run_options)
+        session.run_with_iobinding(binding, self._placement.quiet_run_options if quiet else self._placement.run_options)
         if first_run:  # ORT allocated this run tensor by tensor; later runs take one planned block
             self._placement.memory.release_cached_memory()
         return outputs
+
+
+def _run_options(log_severity_level=None, **config):
+    options = onnxruntime.RunOptions()
+    if log_severity_level is not None:
+        options.log_severity_level = log_severity_level
+    for key, value in config.items():
+        options.add_run_config_entry(key, value)
+    return options
 
 
 class GraphCache:

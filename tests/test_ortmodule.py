@@ -380,8 +380,8 @@ def test_fallback_runs_pytorch_with_a_warning_naming_the_cause():
     clamped = ORTModule(WithFunction())
     with pytest.warns(UserWarning, match=r"\(FALLBACK_UNSUPPORTED_TORCH_MODEL\): NotImplementedError: the model's "
                                          r"outputs are computed through custom torch.autograd.Functions "
-                                         r"\['tests.models.StraightThroughClamp'\]: the exported graph would differentiate "
-                                         r"their inlined forward instead of running their backward \(they run in "
+                                         r"\['tests.models.StraightThroughClamp'\]: the exported graph would "
+                                         r"differentiate their inlined forward instead of running their backward \(they run in "
                                          r"PyTorch under the default fallback policy\)"):
         (clamped(x) * 100).sum().backward()
     assert torch.equal(clamped.linear.bias.grad, torch.full((4,), 800.0))  # its own backward: straight through

@@ -80,7 +80,7 @@ def test_a_graph_that_baked_a_shape_in_is_caught_by_the_proof_and_traced_again(e
     assert [axes is not None for axes in exports] == [True, False, False]
 
 
-def test_the_transformer_whose_sequence_length_is_baked_in_still_matches_torch(exports):
+def test_the_transformer_whose_sequence_length_is_baked_in_still_matches_torch(exports, capfd):
     trainer = ORTTrainer(models.transformer(), models.TRANSFORMER_DESC, optim.SGDConfig(lr=0.1),
                          loss_fn=models.transformer_loss)
     reference = models.transformer()
@@ -94,3 +94,4 @@ def test_the_transformer_whose_sequence_length_is_baked_in_still_matches_torch(e
             expected = models.transformer_loss(reference(data), targets)
             assert loss.item() == pytest.approx(expected.item(), rel=1e-5), (bptt, batch)
     assert exports[0] is not None and len(exports) <= 3
+    assert "onnxruntime" not in capfd.readouterr().err  # a failed proof is ours to handle, not logged as an error
