@@ -5,6 +5,8 @@ are single-threaded; these rewrites give the same math with threaded kernels (BE
 The CUDA provider keeps ORT's own kernels: fewer launches, and its GatherGrad is deterministic
 where GatherNDGrad adds with atomics.
 """
+import math
+
 import onnx
 
 from ._graph import int64_constant, node_attributes, onnx_opset
@@ -14,6 +16,7 @@ def substitute_cpu_kernels(training, evaluation):
     """Rewrites the built training and eval graphs (ModelProtos) in place."""
     fast_softmax_cross_entropy(training)
     fast_gather_grad(training)
+    fast_gelu_grad(training)
     fast_softmax_cross_entropy(evaluation)
 
 
@@ -135,4 +138,57 @@ def fast_gather_grad(model):
         replaced += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    return replaced
+
+
+_GELU_GRADS = {"FastGeluGrad": False, "BiasFastGeluGrad_dX": True}  # op -> whether it takes a bias
+
+
+def fast_gelu_grad(model):
+    """Replaces ORT's FastGeluGrad and BiasFastGeluGrad_dX (the gradient of the tanh GELU, GPT-2's)
+    by elementwise ONNX operators, in place.
+
+    Why: ORT's CPU kernel is a single-threaded loop, 17.6 ms for one (8, 128, 1024) tensor with 1
+    or 2 threads, 67 of the 258 ms per step of the GPT-2 example; the same math in 15 threaded
+    elementwise nodes takes 3.0 ms. With t = tanh(k (x + c x^3)), k = sqrt(2/pi), c = 0.044715:
+    dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2)), x with the bias added for the Bias
+    variant. Rewritten where the gradient's type is known to be float32 (the constants' type).
+    Returns the number of nodes replaced.
+    """
+    graph, make = model.graph, onnx.helper.make_node
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
+    k, c = math.sqrt(2 / math.pi), 0.044715
+    nodes, replaced = [], 0
+    for node in graph.node:
+        if (node.domain != "com.microsoft" or node.op_type not in _GELU_GRADS
+                or types.get(node.output[0]) != onnx.TensorProto.FLOAT):
+            nodes.append(node)
+            continue
+        p = f"{node.output[0]}/fast_gelu_grad/"
+        dy, x = node.input[0], node.input[1]
+        if _GELU_GRADS[node.op_type]:
+            nodes.append(make("Add", [x, node.input[2]], [p + "x"]))
+            x = p + "x"
+        constants = {"k": k, "kc": k * c, "3kc": 3 * k * c, "half": 0.5, "one": 1.0}
+        nodes += [make("Constant", [], [p + name], value=onnx.helper.make_tensor(p + name, onnx.TensorProto.FLOAT, [],
+                                                                                  [value]))
+                  for name, value in constants.items()]
+        nodes += [make("Mul", [x, x], [p + "x2"]),
+                  make("Mul", [p + "x2", p + "kc"], [p + "kc_x2"]),
+                  make("Add", [p + "kc_x2", p + "k"], [p + "inner_slope"]),   # k (1 + c x^2)
+                  make("Mul", [x, p + "inner_slope"], [p + "inner"]),         # k (x + c x^3)
+                  make("Tanh", [p + "inner"], [p + "t"]),
+                  make("Mul", [p + "x2", p + "3kc"], [p + "3kc_x2"]),
+                  make("Add", [p + "3kc_x2", p + "k"], [p + "inner_derivative"]),  # k (1 + 3 c x^2)
+                  make("Mul", [p + "t", p + "t"], [p + "t2"]),
+                  make("Sub", [p + "one", p + "t2"], [p + "sech2"]),
+                  make("Mul", [x, p + "sech2"], [p + "x_sech2"]),
+                  make("Mul", [p + "x_sech2", p + "inner_derivative"], [p + "right"]),
+                  make("Add", [p + "t", p + "right"], [p + "sum"]),
+                  make("Add", [p + "sum", p + "one"], [p + "twice_derivative"]),
+                  make("Mul", [p + "twice_derivative", p + "half"], [p + "derivative"]),
+                  make("Mul", [dy, p + "derivative"], list(node.output))]
+        replaced += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
     return replaced

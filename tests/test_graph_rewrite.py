@@ -14,7 +14,7 @@ from ort_trainer import ORTTrainer, _export, _trainer, optim
 from ort_trainer._binding import bind_inputs
 from ort_trainer._flat import graph_name
 from ort_trainer._graph import build_graphs, builder_session_options
-from ort_trainer._graph_cpu import fast_softmax_cross_entropy, substitute_cpu_kernels
+from ort_trainer._graph_cpu import fast_gelu_grad, fast_softmax_cross_entropy, substitute_cpu_kernels
 
 from . import models
 
@@ -205,6 +205,74 @@ def test_gather_gradient_on_other_axes_is_left_alone():
     training, ours, theirs = _weight_gradient(Lookup(columns=True), tokens)
     assert "GatherGrad" in op_types(training) and "GatherNDGrad" not in op_types(training)
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def _gelu_gradient_model(op_type, shape, dtype=onnx.TensorProto.FLOAT):
+    inputs = ["dy", "x", "bias"] if op_type == "BiasFastGeluGrad_dX" else ["dy", "x"]
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node(op_type, inputs, ["dx"], domain="com.microsoft")], "gelu_grad",
+        [onnx.helper.make_tensor_value_info(name, dtype, shape[-1:] if name == "bias" else shape) for name in inputs],
+        [onnx.helper.make_tensor_value_info("dx", dtype, shape)])
+    return onnx.helper.make_model(graph, ir_version=8, opset_imports=[
+        onnx.helper.make_opsetid("", 14), onnx.helper.make_opsetid("com.microsoft", 1)])
+
+
+@pytest.mark.parametrize("op_type", ["FastGeluGrad", "BiasFastGeluGrad_dX"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tanh_gelu_gradient_rewrite_matches_ort_kernel_and_torch(op_type, seed):
+    generator = np.random.default_rng(seed)
+    shape = [int(size) for size in generator.integers(1, 9, size=generator.integers(1, 4))] + [37]
+    feeds = {"dy": generator.standard_normal(shape, dtype=np.float32),
+             "x": 3 * generator.standard_normal(shape, dtype=np.float32),
+             "bias": generator.standard_normal(shape[-1:], dtype=np.float32)}
+    model = _gelu_gradient_model(op_type, shape)
+    feeds = {i.name: feeds[i.name] for i in model.graph.input}
+
+    def run(model):
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)[0]
+
+    theirs = run(model)
+    assert fast_gelu_grad(model) == 1 and not {"FastGeluGrad", "BiasFastGeluGrad_dX"} & op_types(model)
+    ours = run(model)
+    x = torch.from_numpy(feeds["x"] + feeds.get("bias", 0))
+    expected = torch.ops.aten.gelu_backward(torch.from_numpy(feeds["dy"]), x, approximate="tanh").numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tanh_gelu_gradient_of_other_types_is_left_alone():
+    model = _gelu_gradient_model("FastGeluGrad", [4, 8], dtype=onnx.TensorProto.FLOAT16)
+    assert fast_gelu_grad(model) == 0 and op_types(model) == {"FastGeluGrad"}
+
+
+def test_gpt2_trains_like_torch_with_the_rewritten_gelu_gradient():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = transformers.GPT2LMHeadModel(config)
+    reference.load_state_dict(model.state_dict())
+    rewritten = []
+    trainer = ORTTrainer(model, {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+                                 "outputs": [("loss", [], True)]}, optim.SGDConfig(lr=0.1),
+                         options={"utils": {"grad_norm_clip": False}})
+    trainer._placement.substitute_kernels = lambda training, evaluation: rewritten.append(
+        (substitute_cpu_kernels(training, evaluation), op_types(training)))
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        ids = torch.randint(0, 96, (3, 10), generator=generator)
+        loss = trainer.train_step(input_ids=ids, labels=ids)
+        sgd.zero_grad()
+        expected = reference(input_ids=ids, labels=ids).loss
+        expected.backward()
+        sgd.step()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5), step
+    assert rewritten and all("FastGeluGrad" not in types and "Tanh" in types for _, types in rewritten)
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(trainer.model.state_dict()[name], parameter.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_graphs_for_cuda_keep_ort_kernels():
