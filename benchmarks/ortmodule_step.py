@@ -32,7 +32,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.train_step import ORTEngine, TorchEngine, environment, make_batches  # noqa: E402
+from benchmarks.train_step import (ORTEngine, TorchEngine, add_seed_step_arguments, environment,  # noqa: E402
+                                   make_batches)
 
 ENGINES = ("eager", "ortmodule", "ortmodule_loss", "ortrainer")
 
@@ -75,17 +76,7 @@ class ORTModuleLossEngine(TorchEngine):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--vocab", type=int, default=28782)
-    p.add_argument("--batch", type=int, default=20)
-    p.add_argument("--bptt", type=int, default=35)
-    p.add_argument("--dropout", type=float, default=0.2)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--clip", type=float, default=0.5)
-    p.add_argument("--threads", type=int, default=2, help="torch threads = ORT intra-op threads")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--steps", type=int, default=10, help="steps per engine per round")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_step_arguments(p)
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     args.data, args.fetch = None, "all"  # what benchmarks/train_step.py's engines and batches read

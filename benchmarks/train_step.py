@@ -53,22 +53,27 @@ from examples.wikitext2.train import make_loss_fn  # noqa: E402
 ENGINES = ("torch", "ort")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--vocab", type=int, default=28782, help="ntokens for synthetic data (ignored with --data)")
-    p.add_argument("--data", type=Path, help="a text file: its 90%% split (the examples' tokenizer) gives "
-                   "the vocabulary and the batches")
+def add_seed_step_arguments(p):
+    """The arguments of a timed seed-model step shared by the benchmarks that run one."""
+    p.add_argument("--vocab", type=int, default=28782, help="ntokens for synthetic data")
     p.add_argument("--batch", type=int, default=20)
     p.add_argument("--bptt", type=int, default=35)
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=2, help="torch threads = ORT intra-op threads")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine and phase")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine (and phase)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=10, help="steps per engine per round")
-    p.add_argument("--no-eval", action="store_true", help="skip the eval-step comparison")
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_seed_step_arguments(p)
+    p.add_argument("--data", type=Path, help="a text file: its 90%% split (the examples' tokenizer) gives "
+                   "the vocabulary and the batches (--vocab is then ignored)")
+    p.add_argument("--no-eval", action="store_true", help="skip the eval-step comparison")
     p.add_argument("--fetch", choices=("all", "loss"), default="all",
                    help="ORTTrainer outputs: loss and logits (as the notebook's loop), or the loss only "
                         "(train_step_info.fetches); torch computes its logits either way")

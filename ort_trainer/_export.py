@@ -141,7 +141,6 @@ def check_traceable(model, loss_fn, binding, desc, values):
     output shapes (named dims resolved from the inputs)."""
     declared, mutated = probe(model, loss_fn, binding, values, desc.output_names)
     functions = custom_functions(declared)
-    declared = [tensor.detach() for tensor in declared]  # the shapes are what is read on
     if functions:
         raise custom_functions_refused(functions, "write their forward with differentiable torch operations, "
                                        "or wrap the model in ORTModule, which runs such models in PyTorch")

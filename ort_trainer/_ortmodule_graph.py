@@ -105,11 +105,10 @@ class ModuleGraph:
         requiring_grad = [name for name in user if needs_grad and values[name].requires_grad]
         model_proto, differentiated = self._build(exported, initializers + aliases, trainable, requiring_grad,
                                                   outputs, settings)
-        if needs_grad or placement.substitute_kernels is not None:
-            _describe_outputs(model_proto, outputs, schema)
+        _describe_outputs(model_proto, outputs, schema)
         if placement.substitute_kernels is not None:
             placement.substitute_kernels(model_proto, model_proto)  # each rewrite finds its nodes in either kind
-        self._backward_outputs = [o.name for o in model_proto.graph.output]
+        self._outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
         if needs_grad:
             _forward_outputs_as_graph_outputs(model_proto, outputs)
         _save(settings, model_proto, "optimized", needs_grad)
@@ -203,7 +202,6 @@ class ModuleGraph:
         device = C.OrtDevice(C.OrtDevice.cuda() if placement.ort_device == "cuda" else C.OrtDevice.cpu(),
                              C.OrtDevice.default_memory(), placement.index)
         self._inputs = [i.name for i in model_proto.graph.input]
-        self._outputs = self._backward_outputs
         if self.trains:
             self._agent = C.TrainingAgent(self._ort_session._sess, self._inputs, [device] * len(self.schema.shapes),
                                           self._outputs, [device] * len(self._outputs), placement.index)
@@ -265,8 +263,9 @@ def _info(settings, message, *args):
 
 def _describe_outputs(model_proto, names, schema):
     """Records the type and shape of the model's outputs (YieldOp inputs in a training graph,
-    which ORT's builder leaves undescribed), in place: the CPU rewrites apply only where they
-    know the type (a loss computed inside the model gets the threaded softmax cross-entropy)."""
+    which ORT's builder leaves undescribed), in place: they become graph outputs, and the CPU
+    rewrites apply only where they know the type (a loss computed inside the model gets the
+    threaded softmax cross-entropy)."""
     described = {value.name for value in (*model_proto.graph.value_info, *model_proto.graph.output)}
     for name, dtype, shape in zip(names, schema.dtypes, schema.shapes):
         if name not in described and dtype in _ONNX_TYPES:

@@ -53,13 +53,16 @@ class Placement:
         self.index = self.torch_device.index or 0
         self.threads = threads
         self.deterministic = options.debug.deterministic_compute
-        self.xp, self.stream, self.run_options = np, None, None
-        self.quiet_run_options = _run_options(log_severity_level=4)
+        self.xp, self.stream = np, None
         self.substitute_kernels = substitute_cpu_kernels if self.ort_device == "cpu" else None
         self.providers = ["CPUExecutionProvider"]
         if self.ort_device == "cuda":
             self._use_cuda()
         self.providers = provider_options_from(options, self.providers)
+        # ORT's end-of-run sync is dropped on CUDA: `step()` orders the streams instead
+        config = {} if self.stream is None else {"disable_synchronize_execution_providers": "1"}
+        self.run_options = _run_options(**config) if config else None
+        self.quiet_run_options = _run_options(log_severity_level=4, **config)
         self.memory = memory_policy(self.torch_device, options.device.mem_limit, self.providers)
 
     def _use_cuda(self):
@@ -68,8 +71,6 @@ class Placement:
         self.providers = [("CUDAExecutionProvider", {
             "device_id": str(self.index), "has_user_compute_stream": "1",
             "user_compute_stream": str(self.stream.cuda_stream)}), "CPUExecutionProvider"]
-        self.run_options = _run_options(disable_synchronize_execution_providers="1")
-        self.quiet_run_options = _run_options(log_severity_level=4, disable_synchronize_execution_providers="1")
 
     def allocating(self):
         """Context in which new CuPy buffers land on this device (flat buffers, optimizer state)."""
