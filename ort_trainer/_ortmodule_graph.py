@@ -207,15 +207,14 @@ class ModuleGraph:
                                           self._outputs, [device] * len(self._outputs), placement.index)
         else:
             self._devices = [device] * len(self._outputs)
-            self._run_options = onnxruntime.RunOptions()
 
     def infer(self, feeds):
         """The forward alone (no gradient): the outputs as tensors."""
         fetched = C.OrtValueVector()
         self._before_first_run()
         with self._placement.step():
-            self._ort_session._sess.run_with_ortvaluevector(self._run_options, self._inputs, _ort_values(feeds),
-                                                            self._outputs, fetched, self._devices)
+            self._ort_session._sess.run_with_ortvaluevector(self._placement.run_options, self._inputs,
+                                                            _ort_values(feeds), self._outputs, fetched, self._devices)
         self._after_first_run()
         return self._placement.returned(_torch_tensors(fetched))
 

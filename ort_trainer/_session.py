@@ -61,7 +61,7 @@ class Placement:
         self.providers = provider_options_from(options, self.providers)
         # ORT's end-of-run sync is dropped on CUDA: `step()` orders the streams instead
         config = {} if self.stream is None else {"disable_synchronize_execution_providers": "1"}
-        self.run_options = _run_options(**config) if config else None
+        self.run_options = _run_options(**config)
         self.quiet_run_options = _run_options(log_severity_level=4, **config)
         self.memory = memory_policy(self.torch_device, options.device.mem_limit, self.providers)
 
