@@ -196,12 +196,13 @@ def load_optimizer_state(flat, optimizer, saved):
 
 
 def check_trainer_state(state_dict, *, model, optimizer_name, optimizer_state_names, trained, components,
-                        strict, optimizer_built):
+                        strict, optimizer_built, accumulation_steps):
     """Every check `ORTTrainer.load_state_dict` makes before it changes anything.
 
     trained: {torch name: parameter} the optimizer updates; components: {'lr_scheduler': object or
     None, 'loss_scaler': ...}; optimizer_built: whether the flat optimizer exists (before it does,
-    only the saved state of parameters this model trains is compared)."""
+    only the saved state of parameters this model trains is compared); accumulation_steps: the
+    trainer's gradient_accumulation_steps (a checkpoint must resume at the start of a cycle)."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
     compare_keys("load_state_dict: sections", dict.fromkeys(SECTIONS), state_dict)
@@ -212,6 +213,13 @@ def check_trainer_state(state_dict, *, model, optimizer_name, optimizer_state_na
         compare_keys("load_state_dict: state_dict['model']", {k: v for k, v in current.items() if k in saved},
                      {k: v for k, v in saved.items() if k in current})
     optimizer = state_dict["optimizer"]
+    if not isinstance(optimizer, dict):
+        raise TypeError(f"load_state_dict: state_dict['optimizer'] must be a dict, got {type(optimizer).__name__}")
+    compare_keys("load_state_dict: state_dict['optimizer']", dict.fromkeys(("name", "step_count", "state")), optimizer)
+    step_count = optimizer["step_count"]
+    if not isinstance(step_count, int) or isinstance(step_count, bool) or step_count < 0:
+        raise ValueError(f"load_state_dict: state_dict['optimizer']['step_count'] must be an int >= 0, "
+                         f"got {step_count!r}")
     if optimizer.get("name") != optimizer_name:
         raise ValueError(f"load_state_dict: the checkpoint's optimizer is {optimizer.get('name')!r}, "
                          f"this trainer's is {optimizer_name!r}")
@@ -229,6 +237,11 @@ def check_trainer_state(state_dict, *, model, optimizer_name, optimizer_state_na
         value = info.get(key) if isinstance(info, dict) else None
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"load_state_dict: train_step_info[{key!r}] must be an int >= 0, got {value!r}")
+    if info["step"] % accumulation_steps:
+        raise ValueError(f"load_state_dict: train_step_info['step']={info['step']} is micro-step "
+                         f"{info['step'] % accumulation_steps} of a gradient-accumulation cycle for this trainer's "
+                         f"batch.gradient_accumulation_steps={accumulation_steps}, and a checkpoint holds no "
+                         "accumulated gradients: resume with a gradient_accumulation_steps that divides it")
     for name, component in components.items():
         if (component is None) != (state_dict[name] is None):
             raise ValueError(f"load_state_dict: the checkpoint {'has no' if component else 'has'} {name} state, "

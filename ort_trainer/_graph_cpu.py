@@ -6,6 +6,7 @@ The CUDA provider keeps ORT's own kernels: fewer launches, and its GatherGrad is
 where GatherNDGrad adds with atomics.
 """
 import math
+import re
 
 import onnx
 
@@ -20,20 +21,57 @@ def substitute_cpu_kernels(training, evaluation):
     fast_softmax_cross_entropy(evaluation)
 
 
+# Marks the GatherElements that picks each row's target: its name carries what the error needs.
+_PICK = "fast_sce_pick"
+_OUT_OF_RANGE = re.compile(_PICK + r"\[classes=(\w+),ignore_index=(-?\w+)\].*Out of range value in index tensor", re.S)
+
+
 def _label_nodes(prefix, label, ignore_index):
     """Nodes for the int64 target index [N, 1, ...] (ignored rows point at class 0) and, with an
-    ignore_index, the float 0/1 weight of every row. Returns (nodes, index name, weight name or None)."""
+    ignore_index, the float 0/1 weight of every row. Returns (nodes, index name, weight name or None).
+
+    A negative target that is not ignore_index points far past the classes, so that the pick's
+    GatherElements refuses it as ORT's kernel and torch do (GatherElements would read a negative
+    index from the end); `target_out_of_range` turns that error into a clear one."""
     make, p = onnx.helper.make_node, prefix
-    nodes = [make("Cast", [label], [p + "label64"], to=onnx.TensorProto.INT64), int64_constant(p + "axis1", [1])]
+    nodes = [make("Cast", [label], [p + "label64"], to=onnx.TensorProto.INT64), int64_constant(p + "axis1", [1]),
+             int64_constant(p + "zero", 0), int64_constant(p + "out_of_range", 2**62),
+             make("Less", [p + "label64", p + "zero"], [p + "negative"])]
     if ignore_index is None:
-        return nodes + [make("Unsqueeze", [p + "label64", p + "axis1"], [p + "index"])], p + "index", None
-    nodes += [int64_constant(p + "ignore_index", ignore_index), int64_constant(p + "zero", 0),
+        nodes += [make("Where", [p + "negative", p + "out_of_range", p + "label64"], [p + "checked"]),
+                  make("Unsqueeze", [p + "checked", p + "axis1"], [p + "index"])]
+        return nodes, p + "index", None
+    nodes += [int64_constant(p + "ignore_index", ignore_index),
               make("Equal", [p + "label64", p + "ignore_index"], [p + "ignored"]),
-              make("Where", [p + "ignored", p + "zero", p + "label64"], [p + "safe_label"]),
+              make("Where", [p + "negative", p + "out_of_range", p + "label64"], [p + "checked"]),
+              make("Where", [p + "ignored", p + "zero", p + "checked"], [p + "safe_label"]),
               make("Unsqueeze", [p + "safe_label", p + "axis1"], [p + "index"]),
               make("Not", [p + "ignored"], [p + "kept"]),
               make("Cast", [p + "kept"], [p + "weight"], to=onnx.TensorProto.FLOAT)]
     return nodes, p + "index", p + "weight"
+
+
+def target_out_of_range(error):
+    """The IndexError (torch's type for it) that explains ONNX Runtime's `error`, when the error is
+    a loss target out of range in a rewritten softmax cross-entropy; else None."""
+    match = _OUT_OF_RANGE.search(str(error))
+    if match is None:
+        return None
+    classes, ignore_index = match.groups()
+    ignored = "" if ignore_index == "none" else f" or ignore_index={ignore_index}"
+    return IndexError(f"a target (class index) of the cross-entropy loss is out of range: the loss takes targets in "
+                      f"[0, {classes}){ignored}, as torch's cross_entropy (which raises 'Target ... is out of bounds' "
+                      "for the same batch); nothing was updated and the step is not counted")
+
+
+def _classes(graph, logits):
+    """The class count (dim 1 of the logits) where the graph knows it, else 'C'."""
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.name == logits:
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) > 1 and dims[1].HasField("dim_value"):
+                return str(dims[1].dim_value)
+    return "C"
 
 
 def fast_softmax_cross_entropy(model):
@@ -69,7 +107,9 @@ def fast_softmax_cross_entropy(model):
             log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else p + "log_prob"
             label_nodes, index, weight = _label_nodes(p, node.input[1], attributes.get("ignore_index"))
             nodes += [make("LogSoftmax", [node.input[0]], [log_prob], axis=1), *label_nodes,
-                      make("GatherElements", [log_prob, index], [p + "picked"], axis=1),
+                      make("GatherElements", [log_prob, index], [p + "picked"], axis=1,
+                           name=f"{p}{_PICK}[classes={_classes(graph, node.input[0])},"
+                                f"ignore_index={attributes.get('ignore_index', 'none')}]"),
                       make("Squeeze", [p + "picked", p + "axis1"], [p + "picked_log_prob"])]
             if weight is None:
                 nodes.append(make("ReduceMean", [p + "picked_log_prob"], [p + "mean"], keepdims=0))

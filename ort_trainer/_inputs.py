@@ -72,6 +72,9 @@ def _check_shape(method, spec, shape, named_dims):
     if len(shape) != len(spec.shape):
         raise ValueError(f"{method}(): input {spec.name!r} has shape {list(shape)}, expected rank "
                          f"{len(spec.shape)} {list(spec.shape)}")
+    if 0 in shape:
+        raise ValueError(f"{method}(): input {spec.name!r} has shape {list(shape)}: an empty batch (a dimension of "
+                         "size 0) has no memory ONNX Runtime can bind; skip empty batches")
     for axis, (actual, wanted) in enumerate(zip(shape, spec.shape)):
         if isinstance(wanted, str):
             seen = named_dims.setdefault(wanted, (actual, spec.name))

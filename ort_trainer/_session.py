@@ -9,7 +9,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from ._cuda import require_cuda, require_cuda_provider
 from ._graph import NO_GRADIENT_SUFFIX, builder_session_options
-from ._graph_cpu import substitute_cpu_kernels
+from ._graph_cpu import substitute_cpu_kernels, target_out_of_range
 from ._memory import TORCH_TO_NUMPY, memory_policy
 from ._session_config import provider_options_from, session_options_from
 
@@ -209,7 +209,13 @@ class CompiledGraph:
             tensor = self._placement.memory.output_tensor(shape, dtype)
             self._placement.bind_tensor(binding, name, True, tensor)
             outputs.append(tensor)
-        session.run_with_iobinding(binding, self._placement.quiet_run_options if quiet else self._placement.run_options)
+        try:
+            session.run_with_iobinding(binding, self._placement.quiet_run_options if quiet else self._placement.run_options)
+        except RuntimeError as error:
+            explained = target_out_of_range(error)
+            if explained is None:
+                raise
+            raise explained from error
         if first_run:  # ORT allocated this run tensor by tensor; later runs take one planned block
             self._placement.memory.release_cached_memory()
         return outputs

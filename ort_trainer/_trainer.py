@@ -89,7 +89,7 @@ class ORTTrainer:
             raise TypeError(f"ORTTrainer trains float32 parameters (one flat fp32 buffer); got {not_float32}: "
                             "call model.float(), or freeze them (utils.frozen_weights)")
         # Validates param groups now (unknown names fail here, before any work).
-        optim_config.resolve_groups([name for name in named if name not in self._frozen_names])
+        optim_config.resolve_groups([name for name in named if name not in self._frozen_names], self._frozen_names)
 
         self._recompute = Recompute.from_options(options.graph_transformer, model)
         self._distributed = _distributed.setup(options)
@@ -223,7 +223,8 @@ class ORTTrainer:
             state_dict, model=self.model, optimizer_name=self.optim_config.name,
             optimizer_state_names=state_names(self.optim_config.name), trained=self._trained_parameters(),
             components={"lr_scheduler": self._lr_scheduler, "loss_scaler": self._loss_scaler}, strict=strict,
-            optimizer_built=self._optimizer is not None)
+            optimizer_built=self._optimizer is not None,
+            accumulation_steps=self.options.batch.gradient_accumulation_steps)
         optimizer = state_dict["optimizer"]
         self.model.load_state_dict(state_dict["model"], strict=strict)
         with self._placement.step():
@@ -355,6 +356,8 @@ class ORTTrainer:
         exported, unproven = self._exports.get(values, flags)
         if self._flat is None:
             self._create_training_state(used_parameters(exported))
+        else:
+            self._check_same_parameters(used_parameters(exported), values)
         if unproven:
             graph = self._proven_or_none(exported, values, outputs, flags)
         else:
@@ -370,6 +373,31 @@ class ORTTrainer:
             self._inputs.remember_dtypes(values)
             self._sample_inputs = values
         return graph
+
+    def _check_same_parameters(self, graph_names, values):
+        """Every graph reads the parameters the first one did: the flat buffers and the optimizer
+        are laid out once, at the first compile, and each update is one pass over all of them."""
+        named = dict(self.model.named_parameters())
+        laid_out = set(self._flat.names) | set(self._frozen)
+        new = [name for name in named if graph_name(name) in graph_names and graph_name(name) not in laid_out]
+        for name in [name for name in new if name in self._frozen_names]:  # read, never trained: bound as they are
+            named[name].data = named[name].data.contiguous()
+            self._frozen[graph_name(name)] = named[name].data
+        new = [name for name in new if name not in self._frozen_names]
+        missing = [name for name in self._flat.torch_names if graph_name(name) not in graph_names]
+        if not new and not missing:
+            return
+        absent = [name for name, value in values.items() if value is None]
+        inputs = f"these inputs (None: {absent})" if absent else "these inputs (all given)"
+        if new:
+            problem = (f"with {inputs} the model uses parameters {new} that the first compiled call did not, so "
+                       "they have no place in the trainer's flat buffers")
+        else:
+            problem = (f"with {inputs} the model leaves the trained parameters {missing} unused, and each update "
+                       "would still move them (momentum, weight decay) where torch's optimizer skips them")
+        raise ValueError(f"{problem}: the parameters a model uses must not depend on which optional inputs are "
+                         "given (the flat buffers are laid out at the first step). Give the same inputs on every "
+                         "call, or freeze the parameters that depend on them (utils.frozen_weights)")
 
     def _build(self, exported, values, outputs, flags):
         """Training and eval graphs from an export (consumed), on the flat buffers."""
@@ -413,7 +441,7 @@ class ORTTrainer:
         if not trainable:
             raise ValueError("the model has no trainable parameter used by its forward/loss")
         groups = [([name for name in names if name in used], hyper)
-                  for names, hyper in self.optim_config.resolve_groups(trainable)]
+                  for names, hyper in self.optim_config.resolve_groups(trainable, set(named) - set(trainable))]
         groups = [(names, hyper) for names, hyper in groups if names]
         with self._placement.allocating():
             self._flat = FlatParameters(named, groups, self._placement.xp)

@@ -129,6 +129,26 @@ def test_every_row_ignored_gives_nan_loss_and_zero_gradients():
         assert not theirs["grads"][name].any(), name
 
 
+@pytest.mark.parametrize("method", ["train_step", "eval_step"])
+@pytest.mark.parametrize("target", [-3, 5, 9], ids=["negative", "classes", "past"])
+def test_a_target_out_of_range_is_refused_as_torch_does(method, target):
+    """torch refuses these targets (IndexError); GatherElements would read a negative one from the end."""
+    trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=models.mlp_loss)
+    x, labels = models.mlp_batch(0)
+    trainer.train_step(x, labels)  # compiled: later steps run the graph alone, not torch
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    labels[3] = target
+    with pytest.raises(IndexError):
+        models.mlp_loss(models.mlp()(x), labels)
+    with pytest.raises(IndexError, match=r"a target \(class index\) of the cross-entropy loss is out of range: the "
+                       r"loss takes targets in \[0, 5\) or ignore_index=-100"):
+        getattr(trainer, method)(x, labels)
+    assert trainer.train_step_info.step == 1
+    assert all(torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    labels[3] = -100  # ignore_index is not out of range
+    trainer.train_step(x, labels)
+
+
 @pytest.mark.parametrize("loss_fn", [
     lambda out, t: nn.functional.cross_entropy(out, t, weight=torch.linspace(0.5, 2.0, CLASSES)),
     lambda out, t: nn.functional.cross_entropy(out, t, reduction="sum"),

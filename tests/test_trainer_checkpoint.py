@@ -126,3 +126,46 @@ def test_scheduler_presence_must_match(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             "load_state_dict: the checkpoint has no lr_scheduler state, and this trainer has lr_scheduler")):
         make_trainer().load_state_dict(plain.state_dict())
+
+
+def _without_step_count(optimizer):
+    del optimizer["step_count"]
+
+
+@pytest.mark.parametrize("spoil,message", [
+    (lambda optimizer: optimizer.update(step_count=-4),
+     "load_state_dict: state_dict['optimizer']['step_count'] must be an int >= 0, got -4"),
+    (lambda optimizer: optimizer.update(step_count="x"),
+     "load_state_dict: state_dict['optimizer']['step_count'] must be an int >= 0, got 'x'"),
+    (_without_step_count, "load_state_dict: state_dict['optimizer']: missing keys ['step_count']"),
+], ids=["negative", "str", "missing"])
+@pytest.mark.parametrize("trained", [True, False], ids=["after_a_step", "fresh"])
+def test_a_bad_optimizer_section_is_refused_before_anything_changes(spoil, message, trained):
+    source = make_trainer()
+    source.train_step(*models.transformer_batch(0))
+    state = source.state_dict()
+    spoil(state["optimizer"])
+    trainer = make_trainer()
+    if trained:
+        trainer.train_step(*models.transformer_batch(5))
+    before, saved = weights(trainer), trainer.state_dict()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.load_state_dict(state)
+    assert all(torch.equal(p, before[name]) for name, p in weights(trainer).items())
+    assert trainer.train_step_info.step == int(trained)
+    assert trainer.state_dict()["optimizer"]["step_count"] == saved["optimizer"]["step_count"]
+    trainer.train_step(*models.transformer_batch(1))  # nothing pending: the next step runs
+
+
+def test_resuming_inside_an_accumulation_cycle_is_refused():
+    source = make_trainer()
+    source.train_step(*models.transformer_batch(0))
+    trainer = make_trainer(batch={"gradient_accumulation_steps": 2})
+    with pytest.raises(ValueError, match=re.escape(
+            "load_state_dict: train_step_info['step']=1 is micro-step 1 of a gradient-accumulation cycle for this "
+            "trainer's batch.gradient_accumulation_steps=2")):
+        trainer.load_state_dict(source.state_dict())
+    assert trainer.train_step_info.step == 0
+    source.train_step(*models.transformer_batch(1))
+    trainer.load_state_dict(source.state_dict())  # step 2: the start of a cycle
+    assert trainer.train_step_info.step == 2

@@ -1,4 +1,5 @@
 """Bad input to ORTTrainer: every message pinned, and a rejected call changes nothing."""
+import contextlib
 import re
 
 import pytest
@@ -67,6 +68,34 @@ def test_unknown_frozen_weight():
         mlp_trainer(utils={"frozen_weights": ["net.9.weight"]})
 
 
+class UnusedHead(nn.Module):
+    """An MLP with a head its forward never calls (a model whose other task is off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = models.mlp()
+        self.unused_head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_param_groups_may_name_frozen_and_unused_parameters_as_torch_optimizers_do():
+    """Groups built from model.named_parameters() (the no-decay recipe) name every parameter."""
+    model = UnusedHead()
+    names = [name for name, _ in model.named_parameters()]
+    config = optim.AdamConfig(lr=0.01, params=[{"params": [n for n in names if n.endswith("bias")], "lambda_coef": 0.0}],
+                              lambda_coef=0.01)
+    trainer = ORTTrainer(model, models.MLP_DESC, config, loss_fn=models.mlp_loss,
+                         options=ORTTrainerOptions({"utils": {"frozen_weights": ["body.net.0.bias"]}}))
+    before = snapshot(trainer)
+    with pytest.warns(UserWarning, match=re.escape("parameters ['unused_head.bias', 'unused_head.weight'] are not used")):
+        trainer.train_step(*models.mlp_batch(0))
+    after = snapshot(trainer)
+    untouched = {"body.net.0.bias", "unused_head.weight", "unused_head.bias"}
+    assert all(torch.equal(after[name], before[name]) == (name in untouched) for name in names)
+
+
 def test_param_group_naming_an_unknown_parameter():
     config = optim.AdamConfig(params=[{"params": ["net.0.weight", "nope"], "alpha": 0.8}])
     with pytest.raises(ValueError, match="nope"):
@@ -90,6 +119,9 @@ def test_param_group_naming_an_unknown_parameter():
     (lambda t, x, y: t.train_step(x.tolist(), y), TypeError,
      "train_step(): input 'x' must be a torch.Tensor or numpy.ndarray, got list"),
     (lambda t, x, y: t.eval_step(x), TypeError, "eval_step() expects 2 inputs ['x', 'target'], got 1"),
+    (lambda t, x, y: t.train_step(x[:0], y[:0]), ValueError,
+     "train_step(): input 'x' has shape [0, 12]: an empty batch (a dimension of size 0) has no memory ONNX Runtime "
+     "can bind; skip empty batches"),
 ])
 def test_bad_step_inputs_change_nothing(call, error, message):
     trainer = mlp_trainer()
@@ -270,3 +302,56 @@ def test_non_float32_parameters_are_refused_by_name():
             "'net.3.bias': torch.float64}: call model.float(), or freeze them (utils.frozen_weights)")):
         ORTTrainer(model, models.MLP_DESC, optim.AdamConfig(), loss_fn=models.mlp_loss)
 
+
+
+class OptionalBranch(nn.Module):
+    """A projection read only when the optional input `extra` is given."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.extra_proj = nn.Linear(12, 5), nn.Linear(3, 5)
+
+    def forward(self, x, extra=None):
+        out = self.body(x)
+        return out if extra is None else out + self.extra_proj(extra)
+
+
+OPTIONAL_DESC = {"inputs": [("x", ["batch", 12]), ("extra", ["batch", 3]), ("target", ["batch"])],
+                 "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
+
+
+@pytest.mark.parametrize("first_extra,message", [
+    (False, "with these inputs (all given) the model uses parameters ['extra_proj.weight', 'extra_proj.bias'] that "
+            "the first compiled call did not, so they have no place in the trainer's flat buffers"),
+    (True, "with these inputs (None: ['extra']) the model leaves the trained parameters ['extra_proj.weight', "
+           "'extra_proj.bias'] unused, and each update would still move them (momentum, weight decay) where torch's "
+           "optimizer skips them"),
+], ids=["used_later", "unused_later"])
+def test_parameters_that_depend_on_optional_inputs_are_refused_by_name(first_extra, message):
+    trainer = ORTTrainer(OptionalBranch(), OPTIONAL_DESC, optim.AdamConfig(), loss_fn=models.mlp_loss)
+    x, y = models.mlp_batch(0)
+    extra = torch.randn(8, 3)
+    with pytest.warns(UserWarning) if not first_extra else contextlib.nullcontext():
+        trainer.train_step(x, extra if first_extra else None, y)
+    before = snapshot(trainer)
+    for method in ("train_step", "eval_step"):
+        with pytest.raises(ValueError, match=re.escape(message + ": the parameters a model uses must not depend on "
+                                                       "which optional inputs are given")):
+            getattr(trainer, method)(x, None if first_extra else extra, y)
+    assert_unchanged(trainer, before, steps=1)
+
+
+def test_frozen_parameters_may_depend_on_optional_inputs():
+    model = OptionalBranch()
+    trainer = ORTTrainer(model, OPTIONAL_DESC, optim.AdamConfig(), loss_fn=models.mlp_loss,
+                         options=ORTTrainerOptions({"utils": {"frozen_weights": ["extra_proj.weight", "extra_proj.bias"]}}))
+    x, y = models.mlp_batch(0)
+    extra = torch.randn(8, 3)
+    trainer.train_step(x, None, y)
+    loss, logits = trainer.eval_step(x, extra, y)
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(logits, model(x, extra), atol=1e-6)
+    model.train()
+    trainer.train_step(x, extra, y)

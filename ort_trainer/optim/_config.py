@@ -75,18 +75,21 @@ class _OptimizerConfig:
         return [(group["params"], {**defaults, **{k: v for k, v in group.items() if k != "params"}})
                 for group in self.params]
 
-    def resolve_groups(self, param_names: Sequence[str]) -> list[tuple[list[str], dict[str, Any]]]:
+    def resolve_groups(self, param_names: Sequence[str],
+                       untrained: Sequence[str] = ()) -> list[tuple[list[str], dict[str, Any]]]:
         """Partition ``param_names`` into the default group and the groups of ``params``.
 
         Returns ``len(params) + 1`` pairs ``(names, hyperparameters)``: first the parameters named by
         no group (with ``defaults``), then one per group in order (defaults overridden by the group).
-        Names keep the order of ``param_names``; a part may be empty.
+        Names keep the order of ``param_names``; a part may be empty. A group may name parameters of
+        ``untrained`` (the model's frozen or unused ones): they are left out, as a torch optimizer
+        skips parameters that get no gradient (groups built from ``model.named_parameters()``).
 
         Raises:
-            ValueError: a group names a parameter that is not in ``param_names``.
+            ValueError: a group names a parameter in neither ``param_names`` nor ``untrained``.
         """
         param_names = list(param_names)
-        known = set(param_names)
+        known = set(param_names) | set(untrained)
         unknown = [name for group in self.params for name in group["params"] if name not in known]
         if unknown:
             listed = ", ".join(map(repr, param_names[:10])) + (", ..." if len(param_names) > 10 else "")
