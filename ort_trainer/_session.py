@@ -209,8 +209,9 @@ class CompiledGraph:
             tensor = self._placement.memory.output_tensor(shape, dtype)
             self._placement.bind_tensor(binding, name, True, tensor)
             outputs.append(tensor)
+        run_options = self._placement.quiet_run_options if quiet else self._placement.run_options
         try:
-            session.run_with_iobinding(binding, self._placement.quiet_run_options if quiet else self._placement.run_options)
+            session.run_with_iobinding(binding, run_options)
         except RuntimeError as error:
             explained = target_out_of_range(error)
             if explained is None:

@@ -84,12 +84,13 @@ def test_param_groups_may_name_frozen_and_unused_parameters_as_torch_optimizers_
     """Groups built from model.named_parameters() (the no-decay recipe) name every parameter."""
     model = UnusedHead()
     names = [name for name, _ in model.named_parameters()]
-    config = optim.AdamConfig(lr=0.01, params=[{"params": [n for n in names if n.endswith("bias")], "lambda_coef": 0.0}],
-                              lambda_coef=0.01)
+    biases = [name for name in names if name.endswith("bias")]
+    config = optim.AdamConfig(lr=0.01, params=[{"params": biases, "lambda_coef": 0.0}], lambda_coef=0.01)
     trainer = ORTTrainer(model, models.MLP_DESC, config, loss_fn=models.mlp_loss,
                          options=ORTTrainerOptions({"utils": {"frozen_weights": ["body.net.0.bias"]}}))
     before = snapshot(trainer)
-    with pytest.warns(UserWarning, match=re.escape("parameters ['unused_head.bias', 'unused_head.weight'] are not used")):
+    unused = "parameters ['unused_head.bias', 'unused_head.weight'] are not used"
+    with pytest.warns(UserWarning, match=re.escape(unused)):
         trainer.train_step(*models.mlp_batch(0))
     after = snapshot(trainer)
     untouched = {"body.net.0.bias", "unused_head.weight", "unused_head.bias"}
@@ -345,7 +346,8 @@ def test_parameters_that_depend_on_optional_inputs_are_refused_by_name(first_ext
 def test_frozen_parameters_may_depend_on_optional_inputs():
     model = OptionalBranch()
     trainer = ORTTrainer(model, OPTIONAL_DESC, optim.AdamConfig(), loss_fn=models.mlp_loss,
-                         options=ORTTrainerOptions({"utils": {"frozen_weights": ["extra_proj.weight", "extra_proj.bias"]}}))
+                         options=ORTTrainerOptions({"utils": {"frozen_weights": ["extra_proj.weight",
+                                                                                 "extra_proj.bias"]}}))
     x, y = models.mlp_batch(0)
     extra = torch.randn(8, 3)
     trainer.train_step(x, None, y)
