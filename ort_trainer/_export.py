@@ -94,11 +94,12 @@ def probe_call(model, binding, values, grad=False):
     return _probed(model, tensors, lambda *tensors: binding.call_model(model, dict(zip(names, tensors))), grad)
 
 
-def custom_functions(tensors):
+def custom_functions(tensors, inputs=()):
     """Names of the custom torch.autograd.Functions in the autograd graph of `tensors` (a probe's
     outputs, recorded with grad): the exporter inlines their forward, so a graph built from it
-    differentiates that forward instead of running their backward."""
-    found, seen = set(), set()
+    differentiates that forward instead of running their backward. The walk stops at the model's
+    `inputs`: what computed them (another ORTModule's graph, the caller's Functions) is upstream."""
+    found, seen = set(), {tensor.grad_fn for tensor in inputs}
     stack = [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -140,7 +141,7 @@ def check_traceable(model, loss_fn, binding, desc, values):
     """Before an export: the probe's forward must leave every buffer alone and give model_desc's
     output shapes (named dims resolved from the inputs)."""
     declared, mutated = probe(model, loss_fn, binding, values, desc.output_names)
-    functions = custom_functions(declared)
+    functions = custom_functions(declared, present_inputs(values)[1])
     if functions:
         raise custom_functions_refused(functions, "write their forward with differentiable torch operations, "
                                        "or wrap the model in ORTModule, which runs such models in PyTorch")

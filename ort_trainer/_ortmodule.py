@@ -152,7 +152,7 @@ class ORTModule(torch.nn.Module):
         try:
             tensors = []
             schema = OutputSchema(output, tensors)
-            functions = custom_functions(tensors)
+            functions = custom_functions(tensors, values.values())
             del output, tensors  # and the autograd graph of the probe
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
             if changed:
@@ -211,10 +211,12 @@ class _GraphFunction(torch.autograd.Function):
     """Autograd's view of one graph call: forward in ONNX Runtime, backward from its kept state.
 
     Inputs: the graph, then its feeds (the call's tensors, the parameters and buffers). The feeds
-    that require grad get the backward's gradients; outputs ONNX Runtime marks non-differentiable
-    are so for torch too. The feeds are saved (not copied: ONNX Runtime's state reads their memory
-    in the backward), so that changing one in place before backward() is torch's error, not a
-    wrong gradient."""
+    that require grad get the backward's gradients, except those the outputs that received one do
+    not depend on (None, as torch leaves them, not zeros an optimizer would step on); outputs ONNX
+    Runtime marks non-differentiable are so for torch too. The feeds are saved (not copied: ONNX
+    Runtime's state reads their memory in the backward), so that changing one in place before
+    backward() is torch's error, not a wrong gradient. ONNX Runtime frees the forward's state in
+    the backward: a second backward (after retain_graph=True) is refused, not run on freed memory."""
 
     @staticmethod
     def forward(ctx, graph, *feeds):
@@ -231,6 +233,11 @@ class _GraphFunction(torch.autograd.Function):
     def backward(ctx, *output_grads):
         graph = ctx.graph
         ctx.saved_tensors  # raises if a feed was changed in place since the forward
+        if ctx.state is None:
+            raise RuntimeError("ORTModule: a second backward through the outputs of one call is not supported: ONNX "
+                               "Runtime frees the call's forward state in the first backward, which retain_graph=True "
+                               "does not keep. Sum the losses and call backward() once, or call the model again for "
+                               "each backward")
         grads = []
         for index, (grad, (shape, dtype, device)) in enumerate(zip(output_grads, ctx.outputs)):
             if index in graph.non_differentiable:
@@ -239,4 +246,5 @@ class _GraphFunction(torch.autograd.Function):
                 grad = torch.zeros(shape if index in graph.full_shape_grads else (), dtype=dtype, device=device)
             grads.append(grad)
         state, ctx.state = ctx.state, None  # the forward's activations go as soon as the backward is done
-        return (None, *graph.run_backward(state, grads))
+        used = {index for index, grad in enumerate(output_grads) if grad is not None}
+        return (None, *graph.run_backward(state, grads, used))

@@ -110,6 +110,7 @@ class ModuleGraph:
             placement.substitute_kernels(model_proto, model_proto)  # each rewrite finds its nodes in either kind
         self._outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
         if needs_grad:
+            self._reaching = _outputs_reaching(model_proto, self._outputs, outputs)
             _forward_outputs_as_graph_outputs(model_proto, outputs)
         _save(settings, model_proto, "optimized", needs_grad)
         self._session(model_proto, settings)
@@ -243,15 +244,18 @@ class ModuleGraph:
             self._agent.run_forward(_ort_values(feeds), fetched, state, None)
         return self._placement.returned(_torch_tensors(fetched)), state
 
-    def run_backward(self, state, output_grads):
-        """The gradients of the forward's inputs that require one (None for the others), in feed
-        order, from the gradients of its outputs (`output_grads`: tensors, in output order)."""
+    def run_backward(self, state, output_grads, used):
+        """The gradients of the forward's inputs that require one, in feed order, from the gradients
+        of its outputs (`output_grads`: tensors, in output order; `used`: the indices of the outputs
+        that received a gradient, the others' are zeros). None for the others, and for those no
+        output in `used` depends on: torch leaves them without a gradient, ONNX Runtime gives zeros."""
         fetched = C.OrtValueVector()
         with self._placement.step():
             self._agent.run_backward(_ort_values(output_grads), fetched, state)
         grads = self._placement.returned(_torch_tensors(fetched))
         self._after_first_run()  # of a training graph: its forward and backward
-        return [None if slot is None else grads[slot] for slot in self.gradient_slots]
+        return [None if slot is None or not self._reaching[slot] & used else grads[slot]
+                for slot in self.gradient_slots]
 
 
 def _info(settings, message, *args):
@@ -279,6 +283,28 @@ def _forward_outputs_as_graph_outputs(model_proto, names):
     fetches only the gradients (the graph's outputs before this)."""
     described = {value.name: value for value in model_proto.graph.value_info}
     model_proto.graph.output.extend(described[name] for name in names)
+
+
+def _outputs_reaching(model_proto, gradients, outputs):
+    """For each of the training graph's `gradients` (names), the indices of the model's `outputs`
+    whose gradient (`<output>_grad`, a YieldOp output; none for a non-differentiable output) it
+    is computed from: the outputs whose autograd graph holds that input or parameter."""
+    consumers = {}
+    for node in model_proto.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    reaching = [set() for _ in gradients]
+    for index, output in enumerate(outputs):
+        seen, stack = set(), [f"{output}_grad"]
+        while stack:
+            name = stack.pop()
+            if name not in seen:
+                seen.add(name)
+                stack.extend(result for node in consumers.get(name, ()) for result in node.output)
+        for reach, gradient in zip(reaching, gradients):
+            if gradient in seen:
+                reach.add(index)
+    return reaching
 
 
 def _shapes_differ(serialized, shapes):

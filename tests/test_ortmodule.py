@@ -250,6 +250,101 @@ def test_changing_a_feed_in_place_before_backward_is_an_error():
         out.sum().backward()
 
 
+class TwoHeads(nn.Module):
+    """A shared body and two heads; `shift` feeds the second head only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 16)
+        self.first = nn.Linear(16, 3)
+        self.second = nn.Linear(16, 5)
+
+    def forward(self, x, shift):
+        h = torch.relu(self.body(x))
+        return self.first(h), self.second(h) + shift
+
+
+def test_alternating_heads_train_like_eager_with_adamw():
+    """The head the loss skips gets no gradient, so AdamW's weight decay and momentum leave it be."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=generator), torch.randn(5, generator=generator), step % 2)
+               for step in range(6)]
+    eager = TwoHeads()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    losses = [_train(net, batches, lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+                     lambda model, batch: model(*batch[:2])[batch[2]].pow(2).mean()) for net in (eager, wrapped)]
+    assert max(abs(a - b) / b for a, b in zip(losses[1], losses[0])) <= 1e-5
+    for (name, want), ours in zip(eager.named_parameters(), wrapped.parameters()):
+        assert _relative(ours.detach(), want.detach()) <= 1e-5, name
+
+
+def test_parameters_and_inputs_only_an_unused_output_depends_on_get_no_gradient():
+    model = TwoHeads()
+    wrapped = ORTModule(copy.deepcopy(model))
+    x = torch.randn(4, 8)
+    for head in (0, 1):
+        results = []
+        for net in (model, wrapped):
+            net.zero_grad()
+            shift = torch.zeros(5, requires_grad=True)
+            (net(x, shift)[head] * 0).sum().backward()  # a zero gradient is not no gradient
+            results.append((shift.grad, {name: p.grad for name, p in net.named_parameters()}))
+        (shift_want, want), (shift_ours, ours) = results
+        assert (shift_ours is None) == (shift_want is None) == (head == 0)
+        unused = "second" if head == 0 else "first"
+        for name, grad in want.items():
+            if name.startswith(unused):
+                assert grad is None and ours[name] is None, name
+            else:
+                assert torch.equal(ours[name], torch.zeros_like(grad)) and torch.equal(grad, ours[name]), name
+
+
+def test_a_second_backward_through_one_call_is_an_error_not_a_crash():
+    model = nn.Linear(4, 4)
+    wrapped = ORTModule(copy.deepcopy(model))
+    x = torch.randn(2, 4)
+    grads = []
+    for net in (model, wrapped):
+        y = net(x)
+        first, second = y[:, :2].sum(), y[:, 2:].pow(2).sum()
+        first.backward(retain_graph=True)
+        grads.append(net.weight.grad.clone())
+        if net is wrapped:
+            with pytest.raises(RuntimeError, match=r"ORTModule: a second backward through the outputs of one call is "
+                                                   r"not supported: ONNX Runtime frees the call's forward state in the "
+                                                   r"first backward, which retain_graph=True does not keep. Sum the "
+                                                   r"losses and call backward\(\) once, or call the model again for "
+                                                   r"each backward"):
+                second.backward()
+        net.zero_grad()
+        y = net(x)
+        (y[:, :2].sum() + y[:, 2:].pow(2).sum()).backward()  # the way out
+        grads.append(net.weight.grad.clone())
+    assert _relative(grads[2], grads[0]) <= 1e-6 and _relative(grads[3], grads[1]) <= 1e-6
+
+
+def test_inputs_computed_upstream_by_autograd_functions_do_not_make_the_model_fall_back():
+    """Another ORTModule's output or a caller's custom Function: not the model's Functions."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(6, 6), nn.Linear(6, 2)
+    wrapped_body, wrapped_head = ORTModule(copy.deepcopy(body)), ORTModule(copy.deepcopy(head))
+    x = torch.randn(3, 6)
+    results = []
+    for first, second in ((body, head), (wrapped_body, wrapped_head)):
+        x_ = x.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="ORTModule")  # a fallback to PyTorch would warn
+            stacked = second(first(x_))
+            clamped = second(models.StraightThroughClamp.apply(x_ * 3))  # its own backward runs
+        (stacked.pow(2).sum() + clamped.pow(2).sum()).backward()
+        results.append([stacked, clamped, x_.grad, *(p.grad for p in (*first.parameters(), *second.parameters()))])
+    for ours, want in zip(results[1], results[0]):
+        assert _relative(ours, want) <= 1e-5
+    for wrapped in (wrapped_body, wrapped_head):
+        assert [getattr(graph, "kind", graph) for graph in wrapped._graphs._graphs.values()] == ["training"]
+
+
 # ---------------------------------------------------------------- modes
 
 class Noisy(nn.Module):
