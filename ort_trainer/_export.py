@@ -137,9 +137,28 @@ def _probed(model, tensors, forward, grad=False):
                 b.copy_(before[name])
 
 
+def layerdrop_refused(model):
+    """The NotImplementedError for a model that trains with LayerDrop (Hugging Face's BART, Whisper,
+    wav2vec 2, ...: a submodule's `layerdrop` > 0), else None. LayerDrop draws in Python, on every
+    call, which layers to skip: a trace keeps one draw, and the graph would skip the same layers
+    on every step (the others never trained)."""
+    on = {name: module.layerdrop for name, module in model.named_modules()
+          if isinstance(getattr(module, "layerdrop", None), float) and module.layerdrop > 0}
+    if not on or not model.training:
+        return None
+    where = ", ".join(f"{name or type(model).__name__}.layerdrop={value}" for name, value in on.items())
+    return NotImplementedError(f"the model trains with LayerDrop ({where}), which draws in Python on every call "
+                               "which layers to skip: a traced graph would skip the layers of one draw on every "
+                               "step. Set those layerdrop attributes to 0.0 to train it in ONNX Runtime (the "
+                               "config's *layerdrop fields are read only when the model is built)")
+
+
 def check_traceable(model, loss_fn, binding, desc, values):
     """Before an export: the probe's forward must leave every buffer alone and give model_desc's
     output shapes (named dims resolved from the inputs)."""
+    layerdrop = layerdrop_refused(model)
+    if layerdrop is not None:
+        raise layerdrop
     declared, mutated = probe(model, loss_fn, binding, values, desc.output_names)
     functions = custom_functions(declared, present_inputs(values)[1])
     if functions:

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from ._binding import BindingError, bind_call, training_flags
-from ._export import custom_functions, custom_functions_refused, probe_call
+from ._export import custom_functions, custom_functions_refused, layerdrop_refused, probe_call
 from ._options import ORTTrainerOptions
 from ._ortmodule_graph import ModuleGraph, OutputSchema
 from ._ortmodule_options import FallbackPolicy, settings
@@ -160,6 +160,9 @@ class ORTModule(torch.nn.Module):
                                           "statistics in training mode), which an ONNX Runtime graph cannot write back")
             if functions:
                 raise custom_functions_refused(functions, "they run in PyTorch under the default fallback policy")
+            layerdrop = layerdrop_refused(model)
+            if layerdrop is not None:
+                raise layerdrop
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
             placement = self._placement(values, named)
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL

@@ -154,3 +154,23 @@ def test_a_first_batch_of_one_row_does_not_break_other_batch_sizes():
         expected.backward()
         sgd.step()
         assert loss.item() == pytest.approx(expected.item(), rel=1e-4), f"step {step}"
+
+
+def test_layerdrop_is_refused_by_name_and_runs_in_pytorch_under_ortmodule():
+    """LayerDrop draws in Python which layers to skip: one trace would skip the same ones on every step."""
+    from ort_trainer import ORTModule
+    torch.manual_seed(0)
+    model = _bart()
+    model.model.encoder.layerdrop = 0.5  # as BartConfig(encoder_layerdrop=0.5) builds it
+    model.train()
+    trainer = ORTTrainer(model, _desc("bart", False), optim.AdamConfig(lr=1e-3))
+    with pytest.raises(NotImplementedError, match=(
+            r"the model trains with LayerDrop \(model.encoder.layerdrop=0.5\), which draws in Python on every call "
+            r"which layers to skip: .* Set those layerdrop attributes to 0.0 to train it in ONNX Runtime")):
+        trainer.train_step(**_batch("bart", 0, False))
+    assert trainer.train_step_info.step == 0
+    wrapped = ORTModule(copy.deepcopy(model))
+    with pytest.warns(UserWarning, match="runs in PyTorch .* LayerDrop"):
+        wrapped(**_batch("bart", 0, False)).loss.backward()
+    model.model.encoder.layerdrop = 0.0
+    trainer.train_step(**_batch("bart", 0, False))
