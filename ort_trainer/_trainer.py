@@ -106,7 +106,7 @@ class ORTTrainer:
             self._exports = _onnx_model.OnnxExports(self._onnx_model, model)
         self._sample_inputs = None
         self._flat = None
-        self._frozen = None
+        self._frozen = {}  # graph name -> frozen weight the graphs read (bound as it is)
         self._optimizer = None
         self._scratch = None
         self._pending_optimizer_state = None
@@ -380,9 +380,7 @@ class ORTTrainer:
         named = dict(self.model.named_parameters())
         laid_out = set(self._flat.names) | set(self._frozen)
         new = [name for name in named if graph_name(name) in graph_names and graph_name(name) not in laid_out]
-        for name in [name for name in new if name in self._frozen_names]:  # read, never trained: bound as they are
-            named[name].data = named[name].data.contiguous()
-            self._frozen[graph_name(name)] = named[name].data
+        self._bind_frozen(named, [name for name in new if name in self._frozen_names])  # read, never trained
         new = [name for name in new if name not in self._frozen_names]
         missing = [name for name in self._flat.torch_names if graph_name(name) not in graph_names]
         if not new and not missing:
@@ -398,6 +396,12 @@ class ORTTrainer:
         raise ValueError(f"{problem}: the parameters a model uses must not depend on which optional inputs are "
                          "given (the flat buffers are laid out at the first step). Give the same inputs on every "
                          "call, or freeze the parameters that depend on them (utils.frozen_weights)")
+
+    def _bind_frozen(self, named, names):
+        """Adds frozen parameters to the weights every graph reads as they are (contiguous, no copy)."""
+        for name in names:
+            named[name].data = named[name].data.contiguous()
+            self._frozen[graph_name(name)] = named[name].data
 
     def _build(self, exported, values, outputs, flags):
         """Training and eval graphs from an export (consumed), on the flat buffers."""
@@ -440,17 +444,12 @@ class ORTTrainer:
         trainable = [name for name in named if name in used and name not in self._frozen_names]
         if not trainable:
             raise ValueError("the model has no trainable parameter used by its forward/loss")
-        groups = [([name for name in names if name in used], hyper)
-                  for names, hyper in self.optim_config.resolve_groups(trainable, set(named) - set(trainable))]
-        groups = [(names, hyper) for names, hyper in groups if names]
+        groups = [(names, hyper) for names, hyper in
+                  self.optim_config.resolve_groups(trainable, set(named) - set(trainable)) if names]
         with self._placement.allocating():
             self._flat = FlatParameters(named, groups, self._placement.xp)
             self._optimizer = self._distributed.make_optimizer(self.optim_config.name, self._flat)
-        frozen = {}
-        for name in sorted(self._frozen_names & used):
-            named[name].data = named[name].data.contiguous()
-            frozen[graph_name(name)] = named[name].data
-        self._frozen = frozen
+        self._bind_frozen(named, sorted(self._frozen_names & used))
         if self._pending_optimizer_state is not None and self._pending_optimizer_state["state"]:
             _checkpoint.load_optimizer_state(self._flat, self._optimizer, self._pending_optimizer_state)
         self._pending_optimizer_state = None

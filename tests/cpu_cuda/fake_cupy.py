@@ -129,10 +129,6 @@ def ones(shape, dtype=np.float64):
     return full(shape, 1, dtype)
 
 
-def zeros_like(a, dtype=None):
-    return zeros(a.shape, dtype or a.dtype)
-
-
 def asarray(a, dtype=None):
     if isinstance(a, ndarray) and (dtype is None or a.dtype == dtype):
         return a
