@@ -27,9 +27,10 @@ setup(
             "nvidia-cuda-nvrtc-cu11",
         ],
         # transformers 4.57.1 accepts torch 2.13.0 as installed (no newer torch pulled in).
-        "test": ["pytest", "tqdm", "transformers==4.57.1", "h5py"],
+        # accelerate: transformers.Trainer's PyTorch backend (examples/gpt2 --engine hf-trainer).
+        "test": ["pytest", "tqdm", "transformers==4.57.1", "accelerate==1.11.0", "h5py"],
         # Resuming from the original ORTTrainer's HDF5 checkpoints.
         "legacy": ["h5py"],
-        "examples": ["tqdm", "transformers==4.57.1"],
+        "examples": ["tqdm", "transformers==4.57.1", "accelerate==1.11.0"],
     },
 )

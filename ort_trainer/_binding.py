@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 
 _NO_CACHE = {"use_cache": False}
 _INVALID = "Invalid model_desc: "
@@ -52,6 +53,7 @@ class InputBinding:
     optional: frozenset[str]               # may be None: then not passed at all
     constant_keywords: Mapping[str, object] = field(default_factory=dict)
     signature: str = ""                    # forward()'s signature, for error messages
+    structures: Mapping[str, "Structure"] = field(default_factory=dict)  # arguments holding tensors inside
 
     @property
     def model_inputs(self) -> tuple[str, ...]:
@@ -60,8 +62,14 @@ class InputBinding:
 
     def call_model(self, model, values):
         """`model(...)` on {name: tensor or None}; a None keyword input is left out."""
-        keywords = {name: values[name] for name in self.keyword if values.get(name) is not None}
-        return model(*(values[name] for name in self.positional), **keywords, **self.constant_keywords)
+        keywords = {name: self._argument(name, values) for name in self.keyword
+                    if name in self.structures or values.get(name) is not None}
+        return model(*(self._argument(name, values) for name in self.positional), **keywords,
+                     **self.constant_keywords)
+
+    def _argument(self, name, values):
+        structure = self.structures.get(name)
+        return values[name] if structure is None else structure.rebuild(values)
 
     def check_value(self, method, name, value):
         """Raises for a None the binding cannot leave out."""
@@ -73,6 +81,48 @@ class InputBinding:
             else:
                 why = f"forward{self.signature} has no default for {name!r}"
             raise BindingError(f"{method}(): input {name!r} is None, but {why}; pass a tensor")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """An argument holding tensors inside lists, tuples, dicts or named tuples (any container
+    torch's pytree flattens): its tensors are inputs of their own, named after their place
+    (`batch.input_ids`, `pair.0`), everything else is kept as passed. `key` tells calls apart."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple  # per leaf: (True, input name) for a tensor, (False, value) for anything else
+
+    @classmethod
+    def flatten(cls, name, value):
+        """(Structure, {input name: tensor}) of argument `name`."""
+        try:
+            paths, spec = pytree.tree_flatten_with_path(value)
+        except ValueError:  # a container type registered without key paths (ModelOutput): places by index
+            leaves, spec = pytree.tree_flatten(value)
+            paths = [((pytree.SequenceKey(index),), leaf) for index, leaf in enumerate(leaves)]
+        tensors, leaves = {}, []
+        for path, leaf in paths:
+            if isinstance(leaf, torch.Tensor):
+                input_name = ".".join([name, *(_key_name(key) for key in path)])
+                tensors[input_name] = leaf
+                leaves.append((True, input_name))
+            else:
+                leaves.append((False, leaf))
+        return cls(spec, tuple(leaves)), tensors
+
+    def rebuild(self, values):
+        return pytree.tree_unflatten([values[leaf] if is_input else leaf for is_input, leaf in self.leaves], self.spec)
+
+    @property
+    def key(self):
+        return self.spec, tuple((is_input, leaf if is_input else (type(leaf), leaf)) for is_input, leaf in self.leaves)
+
+
+def _key_name(key):
+    for attribute in ("idx", "key", "name"):  # SequenceKey, MappingKey, GetAttrKey
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
 
 
 def bind_inputs(model, input_names, has_loss_fn):
@@ -141,13 +191,14 @@ def bind_call(model, args, kwargs):
     instead of a model_desc (ORTModule): (InputBinding, {input name: tensor}).
 
     The tensor arguments are the inputs, named after forward()'s parameters (`<name>_<i>` for the
-    items of a `*args`, their keywords for a `**kwargs`), in the call's order. Every other argument
-    (None, flags, sizes) is a constant of the call, passed as given (`constant_keywords`).
-    Arguments go by keyword, except positional-only ones and those before a non-empty `*args`,
-    which go by position and so must be tensors. A `use_cache` parameter the call leaves out is
-    False, as with bind_inputs. A call that does not fit forward()'s signature raises TypeError,
-    as forward() would; a non-tensor passed by position or tensors inside a container argument
-    raise BindingError.
+    items of a `*args`, their keywords for a `**kwargs`), in the call's order; tensors inside
+    lists, tuples and dicts are inputs too (`Structure`), the argument rebuilt around them. Every
+    other argument (None, flags, sizes) is a constant of the call, passed as given
+    (`constant_keywords`). Arguments go by keyword, except positional-only ones and those before
+    a non-empty `*args`, which go by position and so must hold tensors. A `use_cache` parameter
+    the call leaves out is False, as with bind_inputs. A call that does not fit forward()'s
+    signature raises TypeError, as forward() would; a positional argument without a tensor raises
+    BindingError.
     """
     try:
         signature = inspect.signature(model.forward)
@@ -160,7 +211,7 @@ def bind_call(model, args, kwargs):
     for name, value in arguments.items():
         if parameters[name].kind is kinds.VAR_POSITIONAL and value:
             before_args = {other for other in arguments if parameters[other].kind is kinds.POSITIONAL_OR_KEYWORD}
-    values, positional, keyword, constants = {}, [], [], {}
+    values, positional, keyword, constants, structures = {}, [], [], {}, {}
     for name, value in arguments.items():
         kind = parameters[name].kind
         if kind is kinds.VAR_POSITIONAL:
@@ -172,20 +223,21 @@ def bind_call(model, args, kwargs):
         for item_name, item in items:
             if isinstance(item, torch.Tensor):
                 values[item_name] = item
-                (positional if by_position else keyword).append(item_name)
+            elif _tensors(item):
+                structures[item_name], tensors = Structure.flatten(item_name, item)
+                values.update(tensors)
             elif by_position:
                 raise BindingError(f"argument {item_name!r} of forward{signature} is a {type(item).__name__} passed "
                                    "by position; only tensors can be passed by position here (pass it by keyword)")
-            elif _tensors(item):
-                raise BindingError(f"argument {item_name!r} of forward{signature} holds tensors inside a "
-                                   f"{type(item).__name__}; pass each tensor as an argument of its own")
             else:
                 constants[item_name] = item
+                continue
+            (positional if by_position else keyword).append(item_name)
     for key, value in _NO_CACHE.items():
         if key in parameters and key not in arguments:
             constants[key] = value
     return InputBinding(tuple(values), tuple(positional), tuple(keyword), (), frozenset(), constants,
-                        str(signature)), values
+                        str(signature), structures), values
 
 
 def select_outputs(output, names):
@@ -232,7 +284,3 @@ def training_flags_kept(model):
         for module, training in flags:
             module.training = training
 
-
-def training_flags(model):
-    """Every module's train/eval flag: the training graph is compiled for one such state."""
-    return tuple(module.training for module in model.modules())

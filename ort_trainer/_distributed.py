@@ -9,6 +9,8 @@ Every rank runs the same training graph on its own part of the global batch.
   may cut tensors. Gradients are reduce-scattered, each rank updates its shard with the optimizer
   state of that shard only, and the shards are all-gathered into every rank's parameters. The
   global gradient norm (clipping) and Lamb's per-tensor norms are summed over the shards.
+* BatchNorm running statistics: rank 0's are broadcast before every training forward, as
+  DistributedDataParallel (broadcast_buffers=True) does; each rank then updates them from its own batch.
 * Checkpoints: rank 0 writes the full state (under ZeRO gathered from the shards), which loads on
   any world size.
 
@@ -95,6 +97,9 @@ class SingleProcess:
     def reduce_gradients(self, grads, accumulated):
         pass
 
+    def broadcast_buffers(self, buffers):
+        pass
+
     def clip_divisor(self, grads, max_norm, loss_scale):
         if self.device == "cuda" and self._clip_buffers is None:
             self._clip_buffers = _kernels.clip_buffers(grads.size, self.torch_device.index)
@@ -126,6 +131,19 @@ class DataParallel(SingleProcess):
 
     def _reduce(self, grads):
         _collective("averaging the gradients", dist.all_reduce, grads, op=dist.ReduceOp.AVG)
+
+    def broadcast_buffers(self, buffers):
+        """Rank 0's `buffers` (BatchNorm running statistics) copied to every rank, in place, as
+        DistributedDataParallel (broadcast_buffers=True) does before every forward: one broadcast
+        per dtype."""
+        by_dtype = {}
+        for buffer in buffers:
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        for group in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(group)
+            _collective("broadcasting the BatchNorm running statistics", dist.broadcast, flat, src=0)
+            for buffer, value in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                buffer.copy_(value)
 
     def make_optimizer(self, config_name, flat):
         self._broadcast_weights(flat)

@@ -11,16 +11,20 @@ import warnings
 import onnx
 import torch
 
+from ._batch_norm import running_statistics_kept, untracked_changes
 from ._binding import BindingError, select_outputs, training_flags_kept
 from ._flat import GRAPH_PREFIX, graph_name
 from ._graph import parameters_as_inputs, rename_initializers
+from ._guards import DataDependentTraceError, watch_data_dependence
 from ._hf_compat import export_patches
 from ._symbolics import register_symbolics
 
 # What the exporter says about itself while we use it on purpose: the TorchScript exporter's
 # deprecation, and its notes on training-mode export. Other warnings (the model's own, torch's
 # deprecations elsewhere) reach the user. TracerWarnings ("the trace might not generalize") are
-# what the proof of every re-derived graph checks (TrainingExports).
+# checked, not shown: a conversion of tensor values to Python values refuses the trace
+# (`_guards.watch_data_dependence`); one of sizes is what the proof of every re-derived graph checks
+# (TrainingExports).
 _EXPORTER_NOTICES = ("You are using the legacy TorchScript-based ONNX export",
                      "Setting `training` to something other than default is deprecated",
                      "The feature will be removed",
@@ -77,8 +81,8 @@ def probe(model, loss_fn, binding, values, output_names):
     train/eval state.
 
     Returns (the declared outputs, names of buffers the forward changed). Binding and output
-    errors surface here, before any export. A changed buffer (BatchNorm running statistics in
-    training mode...) is one the training graph cannot write back, and the recorded autograd graph
+    errors surface here, before any export. A changed buffer other than BatchNorm running
+    statistics (`_batch_norm.untracked_changes`) is one no graph writes back, and the recorded autograd graph
     shows custom autograd.Functions, whose backward the training graph would not run: the trainer
     refuses such models rather than train them silently wrong. Buffers and the RNG are restored.
     """
@@ -154,8 +158,8 @@ def layerdrop_refused(model):
 
 
 def check_traceable(model, loss_fn, binding, desc, values):
-    """Before an export: the probe's forward must leave every buffer alone and give model_desc's
-    output shapes (named dims resolved from the inputs)."""
+    """Before an export: the probe's forward must leave every buffer but BatchNorm running
+    statistics alone and give model_desc's output shapes (named dims resolved from the inputs)."""
     layerdrop = layerdrop_refused(model)
     if layerdrop is not None:
         raise layerdrop
@@ -164,13 +168,13 @@ def check_traceable(model, loss_fn, binding, desc, values):
     if functions:
         raise custom_functions_refused(functions, "write their forward with differentiable torch operations, "
                                        "or wrap the model in ORTModule, which runs such models in PyTorch")
+    mutated = untracked_changes(model, mutated)  # BatchNorm running statistics: the trainer updates them
     if mutated:
         raise NotImplementedError(
-            f"the model updates buffers {mutated} in training mode (e.g. BatchNorm running statistics); "
-            "the training graph cannot write them back, so this model is refused rather than trained wrong. "
-            "Ways out: put those layers in eval mode (e.g. `for m in model.modules(): if isinstance(m, "
-            "nn.modules.batchnorm._BatchNorm): m.eval()`: they then use and keep their running statistics), "
-            "or build them with track_running_stats=False (batch statistics, no buffers)")
+            f"the model updates buffers {mutated} in training mode; the trainer writes back BatchNorm running "
+            "statistics only, so this model is refused rather than trained wrong. Ways out: put the modules "
+            "that update them in eval mode, build them without running statistics (InstanceNorm: "
+            "track_running_stats=False), or update those buffers outside forward()")
     named = {}
     for spec in desc.inputs:
         if values[spec.name] is not None:
@@ -211,12 +215,13 @@ def eval_graph_differs(graph, model, loss_fn, binding, values, output_names, fet
 def _export(module, args, **kwargs):
     """torch.onnx.export (TorchScript) with our symbolics and the Hugging Face patches, every
     train/eval flag and the RNG kept; returns the serialized model. Our own errors pass as they are, the
-    exporter's become an ExportError naming the operator."""
+    exporter's become an ExportError naming the operator; a trace whose Python code read tensor
+    values raises DataDependentTraceError."""
     register_symbolics()
     buffer = io.BytesIO()
     try:
         with training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
-                export_patches(module):
+                export_patches(module), watch_data_dependence() as data_dependent:
             for message in _EXPORTER_NOTICES:
                 warnings.filterwarnings("ignore", message=message)
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
@@ -226,6 +231,8 @@ def _export(module, args, **kwargs):
         raise
     except Exception as error:
         raise ExportError(_describe_export_failure(error)) from error
+    if data_dependent:
+        raise DataDependentTraceError(data_dependent)
     return buffer.getvalue()
 
 
@@ -234,17 +241,18 @@ def export_training_model(model, loss_fn, binding, output_names, values, opset_v
     frozen backbone in eval mode keeps its dropout off); returns the ONNX model.
 
     `values`: {model_desc input name: tensor or None (not passed)}. `dynamic_axes`: {input name:
-    {axis: dim name}} to leave symbolic.
+    {axis: dim name}} to leave symbolic. The trace updates no buffer (`running_statistics_kept`).
     """
     names, tensors = present_inputs(values)
     wrapper = TracedStep(model, loss_fn, binding, names, output_names)
-    return onnx.load_from_string(_export(
-        wrapper, tensors, input_names=names, output_names=list(output_names), dynamic_axes=dynamic_axes,
-        training=torch.onnx.TrainingMode.PRESERVE, opset_version=opset_version))
+    with running_statistics_kept(model):
+        return onnx.load_from_string(_export(
+            wrapper, tensors, input_names=names, output_names=list(output_names), dynamic_axes=dynamic_axes,
+            training=torch.onnx.TrainingMode.PRESERVE, opset_version=opset_version))
 
 
 class TrainingExports:
-    """Exports model + loss once per (inputs given, train/eval flags) and re-derives the graph of
+    """Exports model + loss once per (inputs given, model state) and re-derives the graph of
     every new input shape from that export instead of tracing again.
 
     Why: tracing is most of what a new shape costs (8 of 11 s for a BERT-base step at a new
@@ -260,15 +268,15 @@ class TrainingExports:
         self._model, self._loss_fn, self._binding = model, loss_fn, binding
         self._input_specs, self._output_names, self._opset = input_specs, tuple(output_names), opset_version
         self._parameters = {graph_name(name) for name, _ in model.named_parameters()}
-        self._templates = {}  # (inputs given, flags) -> weightless symbolic export, or None: trace per shape
+        self._templates = {}  # (inputs given, state) -> weightless symbolic export, or None: trace per shape
 
     def check(self, values, desc):
         """`check_traceable` on these inputs, before `get`."""
         check_traceable(self._model, self._loss_fn, self._binding, desc, values)
 
-    def get(self, values, flags):
+    def get(self, values, state):
         """(ONNX model for these inputs, whether it must be proven against torch before use)."""
-        key = _kind(values, flags)
+        key = _kind(values, state)
         if key not in self._templates:
             try:
                 template = self._export(values, self._dynamic_axes(values))
@@ -299,18 +307,19 @@ class TrainingExports:
         return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)}
                 for spec in self._input_specs if values[spec.name] is not None}
 
-    def reject(self, values, flags):
+    def reject(self, values, state):
         """The derived graph failed its proof: trace every shape of this kind from now on."""
-        self._templates[_kind(values, flags)] = None
+        self._templates[_kind(values, state)] = None
 
     def _export(self, values, dynamic_axes):
         return export_training_model(self._model, self._loss_fn, self._binding, self._output_names, values,
                                      self._opset, dynamic_axes)
 
 
-def _kind(values, flags):
-    """What one symbolic export serves: which inputs are given, and the train/eval flags."""
-    return tuple(present_inputs(values)[0]), flags
+def _kind(values, state):
+    """What one symbolic export serves: which inputs are given, and the model's state
+    (`_guards.ModuleState`: train/eval flags, attributes)."""
+    return tuple(present_inputs(values)[0]), state
 
 
 def with_input_shapes(template, values):

@@ -15,12 +15,23 @@ from ._symbolics import MARKER_DOMAIN
 _OUTPUTS_THE_GRADIENT_READS = {"Dropout": 2, "SoftmaxCrossEntropyLoss": 2, "LayerNormalization": 3}
 _QUIET = 3  # ORT severity: errors only
 LOSS_SCALE_INPUT = "__loss_scale"
+# Ops that draw from ONNX Runtime's default generator (ORT's fused forms of Dropout included).
+_RANDOM_OPS = {"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout", "RandomNormal", "RandomNormalLike",
+               "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
 def builder_session_options():
     options = SessionOptions()
     options.log_severity_level = _QUIET
     return options
+
+
+def draws_random_numbers(model):
+    """Whether a run of `model` (an ONNX model, or serialized) draws random numbers: a training-mode
+    Dropout, a random op."""
+    if isinstance(model, bytes):
+        model = onnx.load_from_string(model)
+    return any(node.op_type in _RANDOM_OPS for node in model.graph.node)
 
 
 def used_parameters(model):
@@ -71,7 +82,8 @@ def _rename_reads(graph, renamed):
 
 
 def _disable_training_mode(model):
-    """Dropout off, BatchNormalization in inference mode.
+    """Dropout off, BatchNormalization in inference mode (on the running statistics, without the
+    outputs of their update).
 
     Dropout becomes Identity, which ORT then removes (its training build keeps inference-mode
     Dropout nodes, each a copy), unless something reads its mask; then it loses its
@@ -87,6 +99,8 @@ def _disable_training_mode(model):
             for attribute in node.attribute:
                 if attribute.name == "training_mode":
                     attribute.i = 0
+            if not read.intersection(node.output[1:]):  # the running statistics it would update
+                del node.output[1:]
 
 
 def _scale_loss(model, loss_name):
@@ -262,6 +276,30 @@ def _channel_affine(p, grouped, scale, bias, x, output):
             make("Reshape", [p + "shifted", p + "input_shape"], [output], name=p + "output")]
 
 
+def element_type(tensors, name):
+    """The ONNX element type of tensor `name` in `_inferred_tensors`' result (float when unknown)."""
+    return tensors.get(name, (onnx.TensorProto.FLOAT,))[0] or onnx.TensorProto.FLOAT
+
+
+def normalized_nodes(p, node, axes, x_type, opset):
+    """Nodes of p + 'normalized' = (g - mean) / sqrt(biased variance + epsilon) for a normalization
+    `node` (its input 0 is x, its 'epsilon' attribute read): g is x viewed as [N, C, -1]
+    (p + 'grouped'), the mean (p + 'mean') and variance (p + 'variance') are taken over `axes` of
+    g and kept as size-1 dims; `x_type` is x's ONNX element type (that of epsilon)."""
+    make = onnx.helper.make_node
+    epsilon = np.array(node_attributes(node).get("epsilon", 1e-5), onnx.helper.tensor_dtype_to_np_dtype(x_type))
+    return [*_grouped(p, node.input[0]),
+            *_reduce_mean(p + "mean", p + "grouped", axes, opset),
+            make("Sub", [p + "grouped", p + "mean"], [p + "centered"], name=p + "centered"),
+            make("Mul", [p + "centered", p + "centered"], [p + "squared"], name=p + "squared"),
+            *_reduce_mean(p + "variance", p + "squared", axes, opset),
+            make("Constant", [], [p + "epsilon"], name=p + "epsilon",
+                 value=onnx.numpy_helper.from_array(epsilon, p + "epsilon")),
+            make("Add", [p + "variance", p + "epsilon"], [p + "variance_epsilon"], name=p + "variance_epsilon"),
+            make("Sqrt", [p + "variance_epsilon"], [p + "deviation"], name=p + "deviation"),
+            make("Div", [p + "centered", p + "deviation"], [p + "normalized"], name=p + "normalized")]
+
+
 def decompose_instance_normalization(model):
     """Rewrites every InstanceNormalization into ops that have gradients, in place.
 
@@ -271,7 +309,7 @@ def decompose_instance_normalization(model):
     viewed as [N, C, -1] so that any rank works without knowing it. New nodes and tensors are
     named under the original node's name. Returns the number of nodes rewritten.
     """
-    make, opset = onnx.helper.make_node, onnx_opset(model)
+    opset = onnx_opset(model)
     nodes, rewritten, tensors = [], 0, None
     for node in model.graph.node:
         if node.op_type != "InstanceNormalization" or node.domain not in ("", "ai.onnx"):
@@ -280,20 +318,8 @@ def decompose_instance_normalization(model):
         if tensors is None:
             tensors = _inferred_tensors(model)
         x, scale, bias = node.input
-        element_type = tensors.get(x, (onnx.TensorProto.FLOAT,))[0] or onnx.TensorProto.FLOAT
-        epsilon = np.array(node_attributes(node).get("epsilon", 1e-5),
-                           onnx.helper.tensor_dtype_to_np_dtype(element_type))
         p = f"{node.name or node.output[0]}/"
-        nodes += [*_grouped(p, x),
-                  *_reduce_mean(p + "mean", p + "grouped", [2], opset),
-                  make("Sub", [p + "grouped", p + "mean"], [p + "centered"], name=p + "centered"),
-                  make("Mul", [p + "centered", p + "centered"], [p + "squared"], name=p + "squared"),
-                  *_reduce_mean(p + "variance", p + "squared", [2], opset),
-                  make("Constant", [], [p + "epsilon"], name=p + "epsilon",
-                       value=onnx.numpy_helper.from_array(epsilon, p + "epsilon")),
-                  make("Add", [p + "variance", p + "epsilon"], [p + "variance_epsilon"], name=p + "variance_epsilon"),
-                  make("Sqrt", [p + "variance_epsilon"], [p + "deviation"], name=p + "deviation"),
-                  make("Div", [p + "centered", p + "deviation"], [p + "normalized"], name=p + "normalized"),
+        nodes += [*normalized_nodes(p, node, [2], element_type(tensors, x), opset),
                   *_channel_affine(p, p + "normalized", scale, bias, x, node.output[0])]
         rewritten += 1
     del model.graph.node[:]
@@ -486,7 +512,7 @@ def symbolic_shapes(model):
 
 
 def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling=False, substitute_kernels=None,
-                 recompute=None, shape_inference=False):
+                 recompute=None, shape_inference=False, buffers=(), batch_statistics=None):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is
@@ -501,21 +527,27 @@ def build_graphs(model, trainable, frozen, output_names, loss_name, loss_scaling
     Where/Pow inputs are rewritten into ops whose ORT gradients exist and are right; an op
     without a gradient raises MissingGradientError. `recompute`: a `_recompute.Recompute` (the
     recompute options), or None. `shape_inference`: run `symbolic_shapes` on the forward first.
+    `buffers`: initializers that become graph inputs too (BatchNorm running statistics, which
+    change). `batch_statistics`: a `_batch_norm.BatchStatistics`, or None: its rewrite of the
+    training-mode BatchNorms of the training graph, whose statistics outputs follow `output_names`.
     """
-    parameters_as_inputs(model, set(trainable) | set(frozen))  # first: no copy below holds weights
+    parameters_as_inputs(model, set(trainable) | set(frozen) | set(buffers))  # first: no copy below holds weights
     add_second_outputs(model)
     if shape_inference:
         model = symbolic_shapes(model)
     eval_model = copy.deepcopy(model)
     _disable_training_mode(eval_model)
     padding_rows_without_gradient(eval_model, trainable=())
+    if batch_statistics is not None:
+        batch_statistics.rewrite(model)
     prepare_for_gradient(model, trainable)
     if loss_scaling:
         loss_name = _scale_loss(model, loss_name)
     training = _gradient_graph(model, trainable, loss_name, builder_session_options(), recompute)
     if substitute_kernels is not None:
         substitute_kernels(training, eval_model)
-    _set_outputs(training, list(output_names) + [f"{name}_grad" for name in trainable])
+    statistics = list(batch_statistics.outputs) if batch_statistics is not None else []
+    _set_outputs(training, list(output_names) + statistics + [f"{name}_grad" for name in trainable])
     _set_outputs(eval_model, output_names)
     return training.SerializeToString(), eval_model.SerializeToString()
 

@@ -107,7 +107,7 @@ class OnnxExports:
     def check(self, values, desc):
         """Nothing to probe: there is no torch forward (ONNX Runtime checks the inputs' shapes)."""
 
-    def get(self, values, flags):
+    def get(self, values, state):
         """(the graph at these input shapes, False: nothing to prove it against)."""
         return with_input_shapes(self._template, values), False
 

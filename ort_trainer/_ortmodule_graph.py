@@ -19,12 +19,14 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+from ._batch_norm import BatchStatistics
 from ._binding import BindingError
 from ._export import export_training_model
 from ._flat import graph_name
-from ._graph import (NO_GRADIENT_SUFFIX, add_second_outputs, missing_gradient, padding_rows_without_gradient,
-                     parameters_as_inputs, prepare_for_gradient)
+from ._graph import (NO_GRADIENT_SUFFIX, add_second_outputs, draws_random_numbers, missing_gradient,
+                     padding_rows_without_gradient, parameters_as_inputs, prepare_for_gradient)
 from ._ortmodule_options import LogLevel
+from ._session import seed_random_ops
 
 LOGGER = logging.getLogger("ort_trainer.ortmodule")
 _CONSTANT_LEAVES = (type(None), bool, int, float, str)
@@ -91,6 +93,8 @@ class ModuleGraph:
         outputs = output_names(schema)
         exported = export_training_model(model, None, binding, outputs, values, settings.opset)
         _save(settings, exported, "torch_exported", needs_grad)
+        self.batch_statistics = BatchStatistics(model)  # training-mode BatchNorms: batch statistics as outputs
+        self.batch_statistics.rewrite(exported)
         by_graph_name = {graph_name(name): name for name, _ in (*model.named_parameters(), *model.named_buffers())}
         initializers = [i.name for i in exported.graph.initializer if i.name in by_graph_name]
         parameters = dict(model.named_parameters())
@@ -106,12 +110,15 @@ class ModuleGraph:
         model_proto, differentiated = self._build(exported, initializers + aliases, trainable, requiring_grad,
                                                   outputs, settings)
         _describe_outputs(model_proto, outputs, schema)
+        self.batch_statistics.describe(model_proto)
         if placement.substitute_kernels is not None:
             placement.substitute_kernels(model_proto, model_proto)  # each rewrite finds its nodes in either kind
         self._outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
+        self._random = draws_random_numbers(model_proto)
         if needs_grad:
             self._reaching = _outputs_reaching(model_proto, self._outputs, outputs)
-            _forward_outputs_as_graph_outputs(model_proto, outputs)
+            self.read_by_backward = _outputs_read_by_backward(model_proto, outputs)
+            _forward_outputs_as_graph_outputs(model_proto, outputs + self.batch_statistics.outputs)
         _save(settings, model_proto, "optimized", needs_grad)
         self._session(model_proto, settings)
         # Each graph input: (0, input name) of the call, (1, torch name) of a parameter or buffer,
@@ -204,7 +211,8 @@ class ModuleGraph:
                              C.OrtDevice.default_memory(), placement.index)
         self._inputs = [i.name for i in model_proto.graph.input]
         if self.trains:
-            self._agent = C.TrainingAgent(self._ort_session._sess, self._inputs, [device] * len(self.schema.shapes),
+            forward_outputs = len(self.schema.shapes) + len(self.batch_statistics.outputs)
+            self._agent = C.TrainingAgent(self._ort_session._sess, self._inputs, [device] * forward_outputs,
                                           self._outputs, [device] * len(self._outputs), placement.index)
         else:
             self._devices = [device] * len(self._outputs)
@@ -213,6 +221,8 @@ class ModuleGraph:
         """The forward alone (no gradient): the outputs as tensors."""
         fetched = C.OrtValueVector()
         self._before_first_run()
+        if self._random:
+            seed_random_ops()
         with self._placement.step():
             self._ort_session._sess.run_with_ortvaluevector(self._placement.run_options, self._inputs,
                                                             _ort_values(feeds), self._outputs, fetched, self._devices)
@@ -240,6 +250,8 @@ class ModuleGraph:
         the caller holds them."""
         state, fetched = C.PartialGraphExecutionState(), C.OrtValueVector()
         self._before_first_run()
+        if self._random:
+            seed_random_ops()
         with self._placement.step():
             self._agent.run_forward(_ort_values(feeds), fetched, state, None)
         return self._placement.returned(_torch_tensors(fetched)), state
@@ -305,6 +317,45 @@ def _outputs_reaching(model_proto, gradients, outputs):
             if gradient in seen:
                 reach.add(index)
     return reaching
+
+
+# Ops whose output ONNX Runtime may place in its input's memory (a view, not a copy).
+_ALIASING_OPS = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def _outputs_read_by_backward(model_proto, outputs):
+    """Indices of the forward's `outputs` whose memory the backward reads (Softmax's gradient
+    reads its output), directly or through a view of it: changing one in place before
+    backward() would change the gradient, so autograd must see it saved."""
+    consumers, producers = {}, {}
+    for node in model_proto.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+        for name in node.output:
+            producers[name] = node
+    backward, stack = set(), [f"{output}_grad" for output in outputs]  # the YieldOp's outputs
+    while stack:
+        for node in consumers.get(stack.pop(), ()):
+            if id(node) not in backward:
+                backward.add(id(node))
+                stack.extend(node.output)
+    read = {name for node in model_proto.graph.node if id(node) in backward for name in node.input}
+    return [index for index, output in enumerate(outputs) if _views(output, producers, consumers) & read]
+
+
+def _views(name, producers, consumers):
+    """`name` and the tensors that may share its memory through _ALIASING_OPS, either way."""
+    group, stack = set(), [name]
+    while stack:
+        name = stack.pop()
+        if name in group:
+            continue
+        group.add(name)
+        producer = producers.get(name)
+        if producer is not None and producer.op_type in _ALIASING_OPS:
+            stack.append(producer.input[0])
+        stack.extend(node.output[0] for node in consumers.get(name, ()) if node.op_type in _ALIASING_OPS)
+    return group
 
 
 def _shapes_differ(serialized, shapes):

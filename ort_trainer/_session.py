@@ -8,7 +8,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 from ._cuda import require_cuda, require_cuda_provider
-from ._graph import NO_GRADIENT_SUFFIX, builder_session_options
+from ._graph import NO_GRADIENT_SUFFIX, builder_session_options, draws_random_numbers
 from ._graph_cpu import substitute_cpu_kernels, target_out_of_range
 from ._memory import TORCH_TO_NUMPY, memory_policy
 from ._session_config import provider_options_from, session_options_from
@@ -134,16 +134,22 @@ class Placement:
 class CompiledGraph:
     """The training and eval sessions for one input signature (sessions built on first use).
 
-    Parameters, gradients and frozen weights are bound once per session; each run binds only
-    the caller's inputs (zero copy) and fresh output tensors.
+    Parameters, gradients, frozen weights and BatchNorm running statistics are bound once per
+    session; each run binds only the caller's inputs (zero copy) and fresh output tensors.
     """
 
     def __init__(self, training_graph, eval_graph, placement, flat, frozen, input_names, output_names,
-                 feeds=None, training_flags=()):
-        """feeds: {graph input name: array} bound once and read on every run (e.g. the loss scale,
-        updated in place). training_flags: the modules' train/eval flags the training graph was
-        exported with."""
-        self.training_flags = training_flags
+                 feeds=None, model_state=((), ()), batch_statistics=None):
+        """frozen: {graph input name: tensor} read as it is (frozen weights, running statistics).
+        feeds: {graph input name: array} bound once and read on every run (e.g. the loss scale,
+        updated in place). model_state: (train/eval flags, attributes) of the model when it was
+        traced (`_guards.ModuleState`). batch_statistics: the `_batch_norm.BatchStatistics` the
+        training graph returns after `output_names`; each training run updates the running
+        statistics from them."""
+        self.model_state = model_state
+        self.batch_statistics = batch_statistics
+        statistics = list(batch_statistics.outputs) if batch_statistics is not None else []
+        self._fetched = {True: list(output_names) + statistics, False: list(output_names)}
         self._graphs = {True: training_graph, False: eval_graph}
         self._feeds = feeds or {}
         self._placement = placement
@@ -153,6 +159,7 @@ class CompiledGraph:
         self._output_names = output_names
         self._sessions = {}
         self._grads_bound_to = None
+        self._random = draws_random_numbers(training_graph)
 
     def _session(self, training):
         if training not in self._sessions:
@@ -174,7 +181,7 @@ class CompiledGraph:
                 if name in graph_inputs:
                     self._placement.bind_tensor(binding, name, False, tensor)
             outputs = {o.name: o for o in session.get_outputs()}
-            specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], outputs[name].shape) for name in self._output_names]
+            specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], outputs[name].shape) for name in self._fetched[training]]
             self._sessions[training] = (session, binding, graph_inputs, specs)
         return self._sessions[training]
 
@@ -191,7 +198,8 @@ class CompiledGraph:
 
         `inputs`: {input name: tensor} (the graph's inputs; other entries are ignored).
         Training writes the gradients into `grads` (the flat gradient buffer or a scratch buffer
-        of the same layout); eval computes no gradient. `quiet`: ONNX Runtime logs no error of its
+        of the same layout) and updates the BatchNorm running statistics; eval computes no
+        gradient and changes nothing. `quiet`: ONNX Runtime logs no error of its
         own (a run whose failure the caller expects and handles, as the proof of a re-derived graph).
         """
         first_run = training not in self._sessions
@@ -205,11 +213,13 @@ class CompiledGraph:
             if name in graph_inputs:
                 self._placement.bind_tensor(binding, name, False, tensor)
         outputs = []
-        for name, (dtype, shape) in zip(self._output_names, specs):
+        for name, (dtype, shape) in zip(self._fetched[training], specs):
             tensor = self._placement.memory.output_tensor(shape, dtype)
             self._placement.bind_tensor(binding, name, True, tensor)
             outputs.append(tensor)
         run_options = self._placement.quiet_run_options if quiet else self._placement.run_options
+        if training and self._random:
+            seed_random_ops()
         try:
             session.run_with_iobinding(binding, run_options)
         except RuntimeError as error:
@@ -219,7 +229,23 @@ class CompiledGraph:
             raise explained from error
         if first_run:  # ORT allocated this run tensor by tensor; later runs take one planned block
             self._placement.memory.release_cached_memory()
-        return outputs
+        if training and self.batch_statistics is not None:
+            self.batch_statistics.update(outputs)
+        return outputs[:len(self._output_names)]
+
+
+def seed_random_ops():
+    """Seeds ONNX Runtime's generator from torch's before a run that draws random numbers (dropout).
+
+    Why: ORT's CPU Dropout seeds a minstd engine with its generator's next seed, one more per
+    call, from the process seed, which torch.manual_seed(s) also sets: seeds 0 and 1 give that
+    engine the same state, so the first two dropout calls after manual_seed(0) shared a mask.
+    A fresh seed from torch's generator per run gives every run masks of its own, reproducible
+    under torch.manual_seed, as torch's dropout is."""
+    C.set_seed(int(torch.randint(1, _SEEDS, ())))
+
+
+_SEEDS = 2**31 - 2**16  # minstd's modulus is 2**31 - 1; a run's nodes take the seeds after its own
 
 
 def _run_options(log_severity_level=None, **config):

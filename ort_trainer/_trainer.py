@@ -7,9 +7,11 @@ import onnx
 import torch
 
 from . import _checkpoint, _distributed, _export, _legacy_checkpoint, _onnx_model
-from ._binding import bind_inputs, training_flags
+from ._batch_norm import BatchStatistics, running_statistics, sync_batch_norm_refused
+from ._binding import bind_inputs
 from ._flat import FlatParameters, graph_name
 from ._graph import LOSS_SCALE_INPUT, build_graphs, used_parameters
+from ._guards import ModuleState
 from ._inputs import InputChecks
 from ._model_desc import parse_model_desc
 from ._optimizers import state_names
@@ -83,6 +85,7 @@ class ORTTrainer:
             raise ValueError(f"Invalid options: utils.frozen_weights names unknown parameters {unknown}; "
                              f"the model's parameters are {_first(named)}")
         self._frozen_names = set(frozen) | {name for name, p in named.items() if not p.requires_grad}
+        self._requires_grad = [(name, p, p.requires_grad) for name, p in named.items()]
         not_float32 = {name: p.dtype for name, p in named.items()
                        if name not in self._frozen_names and p.dtype != torch.float32}
         if not_float32:
@@ -99,6 +102,7 @@ class ORTTrainer:
         with self._placement.allocating():
             self._loss_scaler, self._loss_scale = _loss_scaling(options, self._placement.xp)
         self._graphs = GraphCache(options.utils.max_cached_graphs)
+        self._state = ModuleState(model)
         if self._onnx_model is None:
             self._exports = _export.TrainingExports(model, loss_fn, self._binding, desc.inputs, desc.output_names,
                                                     options._internal_use.onnx_opset_version)
@@ -124,6 +128,7 @@ class ORTTrainer:
                           "models in eval mode)")
         with self._placement.step():
             graph = self._graph_for(signature, inputs, self._fetched_outputs("train_step"), training=True)
+            self._distributed.broadcast_buffers(graph.batch_statistics.buffers())  # as DDP, before the forward
             accumulation = self.options.batch.gradient_accumulation_steps
             micro_step = self._train_step_info.step % accumulation
             if micro_step == 0:
@@ -336,35 +341,50 @@ class ORTTrainer:
     def _graph_for(self, signature, values, outputs, training):
         """The cached graph for this input signature and these outputs, else a new one.
 
-        The training graph is compiled for the modules' train/eval flags of that moment (they are
-        the user's: a submodule in eval mode trains with its dropout off, as in torch); a
-        train_step after the flags changed compiles again."""
-        flags = training_flags(self.model)
+        A graph serves the model state it was traced in (`_guards.ModuleState`): the modules'
+        plain attributes and hooks, and for training the train/eval flags (they are the user's: a
+        submodule in eval mode trains with its dropout off, as in torch; eval graphs turn dropout
+        off either way). A step after that state changed compiles again."""
+        changed = [name for name, parameter, requires_grad in self._requires_grad
+                   if parameter.requires_grad != requires_grad]
+        if changed:
+            raise ValueError(f"requires_grad of parameters {_first(changed)} changed since the trainer was created: "
+                             "the parameters it trains are fixed then (those that require grad, less "
+                             "utils.frozen_weights). Create a new ORTTrainer to train another set")
+        flags, attributes = self._state.read()
         graph = self._graphs.get((signature, outputs))
-        if graph is None or (training and graph.training_flags != flags):
-            graph = self._compile_graph(values, outputs, flags)
+        if graph is None or graph.model_state[1] != attributes or (training and graph.model_state[0] != flags):
+            graph = self._compile_graph(values, outputs)
             self._graphs.put((signature, outputs), graph)
         return graph
 
-    def _compile_graph(self, values, outputs, flags):
+    def _compile_graph(self, values, outputs):
         """Probe, export (or re-derive), create the flat buffers on the first compile, build.
 
         A graph re-derived from an earlier export (a new input shape) is first proven against
         torch at this shape; one that fails is traced again."""
         desc = self.model_desc
+        refused = sync_batch_norm_refused(self.model, "convert them to BatchNorm: each rank then normalizes with "
+                                                      "the statistics of its own batch, as DistributedDataParallel "
+                                                      "with nn.BatchNorm*d does; or put them in eval mode")
+        if refused is not None:
+            raise refused
+        before = self._state.read()
         self._exports.check(values, desc)
-        exported, unproven = self._exports.get(values, flags)
+        self._state.forgets(before, self._state.read())
+        state = self._state.read()
+        exported, unproven = self._exports.get(values, state)
         if self._flat is None:
             self._create_training_state(used_parameters(exported))
         else:
             self._check_same_parameters(used_parameters(exported), values)
         if unproven:
-            graph = self._proven_or_none(exported, values, outputs, flags)
+            graph = self._proven_or_none(exported, values, outputs, state)
         else:
-            graph = self._build(exported, values, outputs, flags)
+            graph = self._build(exported, values, outputs, state)
         if graph is None:
-            self._exports.reject(values, flags)
-            graph = self._build(self._exports.get(values, flags)[0], values, outputs, flags)
+            self._exports.reject(values, state)
+            graph = self._build(self._exports.get(values, state)[0], values, outputs, state)
         if self.options.debug.check_model_export:
             difference = self._differs_from_torch(graph, values, outputs)
             if difference is not None:
@@ -403,27 +423,29 @@ class ORTTrainer:
             named[name].data = named[name].data.contiguous()
             self._frozen[graph_name(name)] = named[name].data
 
-    def _build(self, exported, values, outputs, flags):
+    def _build(self, exported, values, outputs, state):
         """Training and eval graphs from an export (consumed), on the flat buffers."""
         paths = self.options.debug.graph_save_paths
         save_graphs(paths, exported=exported)
+        running, statistics = running_statistics(exported, self.model), BatchStatistics(self.model)
         training_graph, evaluation = build_graphs(
             exported, self._flat.names, list(self._frozen), outputs,
             self.model_desc.output_names[self.model_desc.loss_index], loss_scaling=self._loss_scaler is not None,
             substitute_kernels=self._placement.substitute_kernels, recompute=self._recompute,
-            shape_inference=self.options.utils.run_symbolic_shape_infer)
+            shape_inference=self.options.utils.run_symbolic_shape_infer, buffers=list(running),
+            batch_statistics=statistics)
         save_graphs(paths, training=training_graph, evaluation=evaluation,
                     session_options=self._placement.session_options(), providers=self._placement.providers)
         present = [name for name, value in values.items() if value is not None]
-        return CompiledGraph(training_graph, evaluation, self._placement, self._flat, self._frozen, present, outputs,
-                             feeds={LOSS_SCALE_INPUT: self._loss_scale} if self._loss_scaler else None,
-                             training_flags=flags)
+        feeds = {LOSS_SCALE_INPUT: self._loss_scale} if self._loss_scaler else None
+        return CompiledGraph(training_graph, evaluation, self._placement, self._flat, {**self._frozen, **running},
+                             present, outputs, feeds=feeds, model_state=state, batch_statistics=statistics)
 
-    def _proven_or_none(self, exported, values, outputs, flags):
+    def _proven_or_none(self, exported, values, outputs, state):
         """The graph re-derived for a new shape, if it builds and its eval graph matches torch's
         forward there; None otherwise (e.g. a size the first trace saw as 1 was specialized)."""
         try:
-            graph = self._build(exported, values, outputs, flags)
+            graph = self._build(exported, values, outputs, state)
         except Exception:  # ORT rejects the graph at this shape: tracing it again decides
             return None
         return graph if self._differs_from_torch(graph, values, outputs) is None else None

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer.ortmodule import ORTModule
 from tests import models
 
 WORLD_SIZE = 2
@@ -121,6 +123,31 @@ def scenario_rank_stalls(rank, directory):
         time.sleep(float(os.environ["GROUP_TIMEOUT"]) + 2)
         return
     train(trainer, 1, partial(rank_batch, rank=rank))
+
+
+def scenario_batch_norm(rank, directory):
+    """A BatchNorm in training mode, on each rank's half of the batches, three ways: ORTTrainer
+    data parallel, DistributedDataParallel(ORTModule(model)) and DistributedDataParallel(model)
+    (the reference); the loss and the buffers after every step."""
+    def record(loss, model):
+        return {"loss": loss, "buffers": {name: b.detach().clone() for name, b in model.named_buffers()}}
+
+    warnings.filterwarnings("error", message="ORTModule")  # a fallback to PyTorch fails the rank
+    batches = [tuple(t[rank * 4:(rank + 1) * 4] for t in models.conv_batch_norm_batch(step)) for step in range(5)]
+    trainer = ORTTrainer(models.conv_batch_norm(), models.CONV_BATCH_NORM_DESC, optim.SGDConfig(lr=0.1),
+                         loss_fn=models.mlp_loss, options=ORTTrainerOptions({"utils": {"grad_norm_clip": False}}))
+    results = {"ORTTrainer": [record(trainer.train_step(*batch)[0].item(), trainer.model) for batch in batches]}
+    for name, wrap in (("DDP(ORTModule)", ORTModule), ("DDP", lambda model: model)):
+        model = torch.nn.parallel.DistributedDataParallel(wrap(models.conv_batch_norm()))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        results[name] = []
+        for x, target in batches:
+            optimizer.zero_grad()
+            loss = models.mlp_loss(model(x), target)
+            loss.backward()
+            optimizer.step()
+            results[name].append(record(loss.item(), model.module))
+    return results
 
 
 # ---------------------------------------------------------------- launcher

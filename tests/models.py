@@ -70,6 +70,49 @@ def mlp_batch(step, batch=8):
     return torch.randn(batch, 12, generator=generator), torch.randint(0, 5, (batch,), generator=generator)
 
 
+class ConvBatchNorm(nn.Module):
+    """Conv2d, BatchNorm2d (in training mode: batch statistics, running statistics updated), ReLU,
+    Linear: a ResNet stem in small."""
+
+    def __init__(self, momentum=0.1, affine=True):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.norm = nn.BatchNorm2d(4, momentum=momentum, affine=affine)
+        self.head = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+def conv_batch_norm(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return ConvBatchNorm(**kwargs)
+
+
+CONV_BATCH_NORM_DESC = {"inputs": [("x", ["batch", 3, 8, 8]), ("target", ["batch"])],
+                        "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
+
+
+def conv_batch_norm_batch(step, batch=8):
+    generator = torch.Generator().manual_seed(4000 + step)
+    return (torch.randn(batch, 3, 8, 8, generator=generator) * 2 + 1,
+            torch.randint(0, 5, (batch,), generator=generator))
+
+
+class RunningNorm(nn.Module):
+    """A BatchNorm (whose running statistics both front ends update) and an InstanceNorm that keeps
+    running statistics too (which no graph writes back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.instance = nn.InstanceNorm1d(4, track_running_stats=True)
+
+    def forward(self, x):
+        return self.instance(self.norm(self.linear(x)).unsqueeze(-1).expand(-1, -1, 3))
+
+
 class TwoTower(nn.Module):
     """Two inputs, two outputs, its own loss inside (loss_fn=None): a regression and a score."""
 

@@ -25,7 +25,8 @@ def _batch(step, rows=6):
 
 
 def _assert_trains_like_torch(model, desc, torch_step, ort_step, loss_fn=None, steps=STEPS):
-    """Same init, same batches: the ORTTrainer loss equals eager torch's at every step (SGD)."""
+    """Same init, same batches: the ORTTrainer loss equals eager torch's at every step (SGD), and
+    so do the weights and buffers (BatchNorm running statistics) at the end."""
     reference = copy.deepcopy(model)
     trainer = _trainer(model, desc, loss_fn)
     sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -38,6 +39,8 @@ def _assert_trains_like_torch(model, desc, torch_step, ort_step, loss_fn=None, s
         assert ours.item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-7), f"step {step}"
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, ours), theirs in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=name)
     return trainer
 
 
@@ -354,15 +357,14 @@ def test_a_submodule_in_eval_mode_trains_with_its_dropout_off_and_keeps_its_flag
     assert model.training and not model.backbone.training
 
 
-def test_batchnorm_in_training_mode_is_refused_with_the_ways_out():
+def test_batchnorm_in_training_mode_trains_on_batch_statistics_and_updates_its_running_ones():
+    model = FrozenBackbone()
+    model.backbone[2].eval()  # dropout off (its masks are not torch's); the BatchNorm trains
     desc = {"inputs": [("x", ["batch", 4]), ("y", ["batch", 3])], "outputs": LOSS_ONLY}
-    trainer = _trainer(FrozenBackbone(), desc, _mse)
-    with pytest.raises(NotImplementedError, match=re.escape(
-            "the model updates buffers ['backbone.1.num_batches_tracked', 'backbone.1.running_mean', "
-            "'backbone.1.running_var'] in training mode")) as error:
-        trainer.train_step(*_batch(0))
-    assert "track_running_stats=False" in str(error.value) and "eval mode" in str(error.value)
-    assert trainer.model.training and trainer.model.backbone.training
+    trainer = _assert_trains_like_torch(model, desc, lambda m, s: _mse(m(_batch(s)[0]), _batch(s)[1]),
+                                        lambda t, s: t.train_step(*_batch(s)), loss_fn=_mse)
+    assert model.backbone[1].num_batches_tracked.item() == STEPS
+    assert model.training and model.backbone[1].training and not model.backbone[2].training
 
 
 def test_batchnorm_without_running_statistics_trains():

@@ -425,16 +425,6 @@ def test_constructor_refusals():
 
 # ---------------------------------------------------------------- fallback
 
-class RunningNorm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-        self.norm = nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        return self.norm(self.linear(x))
-
-
 class WithFunction(nn.Module):
     def __init__(self):
         super().__init__()
@@ -459,15 +449,18 @@ class Product(nn.Module):
 
 
 def test_fallback_runs_pytorch_with_a_warning_naming_the_cause():
-    model = RunningNorm()
+    model = models.RunningNorm()
     wrapped = ORTModule(copy.deepcopy(model))
     x = torch.randn(8, 4)
     with pytest.warns(UserWarning, match=r"RunningNorm runs in PyTorch for this input signature "
                                          r"\(FALLBACK_UNSUPPORTED_TORCH_MODEL\): NotImplementedError: the model "
-                                         r"changes buffers \['norm.num_batches_tracked', 'norm.running_mean', "
-                                         r"'norm.running_var'\] in its forward"):
+                                         r"changes buffers \['instance.running_mean', 'instance.running_var'\] in its "
+                                         r"forward, which an ONNX Runtime graph cannot write back \(BatchNorm running "
+                                         r"statistics excepted\)"):
         out = wrapped(x)
-    assert torch.equal(out, model(x)) and torch.equal(wrapped.norm.running_mean, model.norm.running_mean)
+    assert torch.equal(out, model(x))
+    for name, buffer in model.named_buffers():  # PyTorch ran it: every buffer updated as torch does
+        assert torch.equal(wrapped.get_buffer(name), buffer), name
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="ORTModule")
         wrapped(x)  # the signature is known to run in PyTorch: no second export, no second warning
@@ -496,11 +489,12 @@ def test_fallback_runs_pytorch_with_a_warning_naming_the_cause():
 @pytest.mark.parametrize("policy", ["FALLBACK_DISABLE", "FALLBACK_UNSUPPORTED_DEVICE|FALLBACK_UNSUPPORTED_DATA"])
 def test_fallback_policy_raises_the_original_error(monkeypatch, policy):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", policy)
-    wrapped = ORTModule(RunningNorm())
-    before = wrapped.norm.running_mean.clone()
-    with pytest.raises(NotImplementedError, match=r"the model changes buffers \['norm.num_batches_tracked'"):
+    wrapped = ORTModule(models.RunningNorm())
+    before = {name: buffer.clone() for name, buffer in wrapped.named_buffers()}
+    with pytest.raises(NotImplementedError, match=r"the model changes buffers \['instance.running_mean'"):
         wrapped(torch.randn(8, 4))
-    assert torch.equal(wrapped.norm.running_mean, before)  # a rejected call changes nothing
+    for name, buffer in wrapped.named_buffers():  # a rejected call changes nothing, the BatchNorm's included
+        assert torch.equal(buffer, before[name]), name
 
 
 def test_model_errors_are_the_models_not_a_fallback():

@@ -1,15 +1,20 @@
-"""Fine-tune GPT-2 (GPT2LMHeadModel) on WikiText text with ORTTrainer or with the plain PyTorch loop.
+"""Fine-tune GPT-2 (GPT2LMHeadModel) on WikiText text with ORTTrainer, the plain PyTorch loop, or
+Hugging Face's Trainer on ORTModule(model) or on the plain model.
 
     python -m examples.gpt2 --engine ort                      # offline: small GPT-2 from scratch
     python -m examples.gpt2 --engine torch                    # the same run, eager PyTorch
+    python -m examples.gpt2 --engine hf-trainer               # transformers.Trainer on ORTModule(model)
+    python -m examples.gpt2 --engine hf-trainer-torch         # the same Trainer run on the plain model
     python -m examples.gpt2 --engine ort --model_name_or_path gpt2 --block-size 512 ...
 
 The seed's ``run_lm_gpt2.sh`` recipe (Hugging Face's language-modeling example with ORT): blocks
 of ``--block-size`` tokens, AdamW (weight decay 0.01, none on biases and LayerNorm weights),
 linear warmup then linear decay, gradient-norm clipping, gradient accumulation.
 
-Both engines share the data, the model initialisation (``--seed``), the loop, evaluation,
-checkpointing and reporting; they differ only in one train/eval step.
+The ort and torch engines share the data, the model initialisation (``--seed``), the loop,
+evaluation, checkpointing and reporting; they differ only in one train/eval step. The hf-trainer
+engines share the data, the model and the reporting, and leave the loop and evaluation to
+``transformers.Trainer`` (README: "Hugging Face Trainer").
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import math
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +34,10 @@ if not __package__:   # run as a script: make the repository root importable
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
 
-from examples.gpt2.data import DataError, load_blocks, read_lines, train_tokenizer
+from examples.gpt2.data import BlockDataset, DataError, load_blocks, read_lines, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -52,6 +59,13 @@ def linear_warmup_factor(update: int, total_updates: int, warmup_steps: int) -> 
     if update < warmup_steps:
         return update / max(1, warmup_steps)
     return max(0.0, (total_updates - update) / max(1, total_updates - warmup_steps))
+
+
+def save_torch_checkpoint(path, model, optimizer, scheduler, **counters):
+    """Model, optimizer and scheduler state in one ``torch.save`` file; ``['model']`` loads into
+    the plain model (``torch.load(path, weights_only=True)``)."""
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "lr_scheduler": scheduler.state_dict(), **counters}, path)
 
 
 class TorchEngine:
@@ -99,8 +113,7 @@ class TorchEngine:
         return output.loss, output.logits if self.args.fetch_logits else None
 
     def save_checkpoint(self, path):
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "lr_scheduler": self.scheduler.state_dict(), "micro_steps": self.micro_steps}, path)
+        save_torch_checkpoint(path, self.model, self.optimizer, self.scheduler, micro_steps=self.micro_steps)
 
 
 class ORTEngine:
@@ -154,7 +167,141 @@ class ORTEngine:
         self.trainer.save_checkpoint(path)
 
 
-ENGINES = {engine.name: engine for engine in (ORTEngine, TorchEngine)}
+class HFTrainerEngine:
+    """``transformers.Trainer`` with default behaviour on ``ORTModule(model)``: Trainer's own loop,
+    AdamW, linear schedule, clipping and evaluation; the model's forward and backward run in ONNX
+    Runtime. ``fit`` and ``evaluate`` take the place of the example's ``train`` and ``evaluate``."""
+    name = "hf-trainer"
+    ort = True
+
+    def __init__(self, model, args, total_updates):
+        self.args, self.plain, self.trainer = args, model, None
+        self.wrapped = model
+        if self.ort:
+            try:
+                from ort_trainer.ortmodule import ORTModule
+            except ImportError as exc:
+                raise SystemExit(f"error: --engine {self.name} needs a working ort_trainer "
+                                 f"(pip install -e '.[cpu]' from the repository root): {exc}") from exc
+            self.wrapped = ORTModule(model)
+        # Trainer needs an output folder even when it writes nothing there (save_strategy="no").
+        self._scratch = None if args.output_dir else tempfile.TemporaryDirectory(prefix="gpt2-trainer-")
+        try:
+            self.training_args = TrainingArguments(
+                output_dir=str(args.output_dir or self._scratch.name), report_to=[], seed=args.seed,
+                use_cpu=args.device == "cpu", per_device_train_batch_size=args.per_device_train_batch_size,
+                per_device_eval_batch_size=args.per_device_eval_batch_size,
+                gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+                weight_decay=args.weight_decay, adam_beta1=ADAM_BETAS[0], adam_beta2=ADAM_BETAS[1],
+                adam_epsilon=ADAM_EPSILON, max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
+                max_steps=total_updates, logging_steps=1, disable_tqdm=True,
+                eval_strategy="epoch" if args.eval_each_epoch else "no",
+                # The example writes its own outputs (save_model). Trainer's periodic checkpoint of
+                # an ORTModule would be a bare state dict (README, "ORTModule with transformers.Trainer").
+                save_strategy="no")
+        except ImportError as exc:   # Trainer's PyTorch backend, accelerate, is missing
+            raise SystemExit(f"error: --engine {self.name}: {exc}") from exc
+        self.recorder = _TrainerRecorder(args, total_updates, self.name)
+
+    @property
+    def model(self):
+        return self.plain   # save_pretrained() on the model itself: its own class in config.json
+
+    def fit(self, blocks):
+        """Trainer.train() over ``blocks.train`` (``blocks.eval`` after every epoch with
+        --eval-each-epoch); returns the history ``train`` returns."""
+        metrics = {"compute_metrics": next_token_accuracy, "preprocess_logits_for_metrics": predicted_tokens}
+        self.trainer = Trainer(model=self.wrapped, args=self.training_args, train_dataset=BlockDataset(blocks.train),
+                               eval_dataset=BlockDataset(blocks.eval), callbacks=[self.recorder],
+                               **(metrics if self.args.fetch_logits else {}))
+        self.trainer.remove_callback(PrinterCallback)   # the recorder prints the example's lines instead
+        try:
+            self.trainer.train()
+        finally:
+            self.recorder.close()
+        return self.recorder.history
+
+    def evaluate(self, blocks):
+        """Trainer.evaluate() on ``blocks``: loss, perplexity (and accuracy with --fetch-logits)."""
+        return evaluation_result(self.trainer.evaluate(BlockDataset(blocks)))
+
+    def save_checkpoint(self, path):
+        save_torch_checkpoint(path, self.plain, self.trainer.optimizer, self.trainer.lr_scheduler,
+                              global_step=self.trainer.state.global_step)
+
+
+class HFTrainerTorchEngine(HFTrainerEngine):
+    """The same Trainer run on the plain model (eager PyTorch), for comparison."""
+    name = "hf-trainer-torch"
+    ort = False
+
+
+def evaluation_result(metrics):
+    """Trainer's evaluation metrics as ``evaluate`` reports them: loss, perplexity (accuracy)."""
+    result = {"loss": metrics["eval_loss"], "ppl": math.exp(metrics["eval_loss"])}
+    if "eval_accuracy" in metrics:
+        result["accuracy"] = metrics["eval_accuracy"]
+    return result
+
+
+def predicted_tokens(logits, labels):
+    """Trainer's preprocess_logits_for_metrics (as run_clm.py): keep the argmax, not the logits."""
+    return logits.argmax(-1)
+
+
+def next_token_accuracy(prediction):
+    """Trainer's compute_metrics: next-token accuracy, as ``evaluate`` computes it."""
+    predicted, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+    return {"accuracy": float((predicted == labels).mean())}
+
+
+class _TrainerRecorder(TrainerCallback):
+    """The example's history and log lines from Trainer's callbacks: update time from
+    on_step_begin to on_step_end, loss and lr from Trainer's log of every update (its loss is
+    rounded to 4 decimals), evaluation after each epoch (--eval-each-epoch)."""
+
+    def __init__(self, args, total_updates, name):
+        self.args, self.total_updates = args, total_updates
+        self.history = {"update_losses": [], "learning_rates": [], "update_seconds": [], "epochs": []}
+        self.bar = tqdm(total=total_updates, desc=name, unit="update", disable=args.quiet or not sys.stderr.isatty())
+        self.start, self.training = None, False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.training = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.training = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available() and self.args.device == "cuda":
+            torch.cuda.synchronize()   # the update's kernels are done, as the other engines' .item()
+        self.history["update_seconds"].append(time.perf_counter() - self.start)
+        self.bar.update()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" not in logs:   # evaluation and the end-of-training summary
+            return
+        self.history["update_losses"].append(logs["loss"])
+        self.history["learning_rates"].append(logs["learning_rate"])
+        report_progress(self.args, self.history, math.ceil(state.epoch), self.total_updates)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if not self.training:   # the final evaluation: main() reports it
+            return
+        result = evaluation_result(metrics)
+        epoch = math.ceil(state.epoch)   # as the loop engines: a last short epoch counts
+        self.history["epochs"].append({"epoch": epoch, "updates": state.global_step, **result})
+        tqdm.write(f"| end of epoch {epoch:2d} | eval loss {result['loss']:6.3f} "
+                   f"| eval ppl {result['ppl']:9.2f} |")
+
+    def close(self):
+        self.bar.close()
+
+
+ENGINES = {engine.name: engine for engine in (ORTEngine, TorchEngine, HFTrainerEngine, HFTrainerTorchEngine)}
 
 
 def evaluate(engine, blocks, batch_size):
@@ -174,6 +321,17 @@ def evaluate(engine, blocks, batch_size):
     return result
 
 
+def report_progress(args, history, epoch, total_updates):
+    """After every --logging-steps updates: their mean time, mean loss and the last lr."""
+    update = len(history["update_losses"])
+    if update % args.logging_steps or args.quiet:
+        return
+    ms = 1000 * sum(history["update_seconds"][-args.logging_steps:]) / args.logging_steps
+    mean = sum(history["update_losses"][-args.logging_steps:]) / args.logging_steps
+    tqdm.write(f"| epoch {epoch:2d} | update {update:5d}/{total_updates} | lr {history['learning_rates'][-1]:.2e} "
+               f"| ms/update {ms:7.1f} | loss {mean:6.3f} | ppl {math.exp(mean):9.2f} |")
+
+
 def train(engine, blocks, args, total_updates):
     """The training loop: shuffled blocks each epoch (same order for both engines), one update per
     ``--gradient-accumulation-steps`` micro-batches; returns the history and the timings."""
@@ -182,7 +340,6 @@ def train(engine, blocks, args, total_updates):
     shuffle = torch.Generator().manual_seed(args.seed)
     history = {"update_losses": [], "learning_rates": [], "update_seconds": [], "epochs": []}
     bar = tqdm(total=total_updates, desc=args.engine, unit="update", disable=args.quiet or not sys.stderr.isatty())
-    window_loss = 0.0
     for epoch in range(1, math.ceil(total_updates / updates_per_epoch) + 1):
         order = torch.randperm(len(blocks.train), generator=shuffle).to(blocks.train.device)
         for index in range(min(updates_per_epoch, total_updates - len(history["update_losses"]))):
@@ -193,16 +350,8 @@ def train(engine, blocks, args, total_updates):
             history["update_seconds"].append(time.perf_counter() - start)
             history["update_losses"].append(loss)
             history["learning_rates"].append(engine.last_lr)
-            window_loss += loss
             bar.update()
-            update = len(history["update_losses"])
-            if update % args.logging_steps == 0:
-                ms = 1000 * sum(history["update_seconds"][-args.logging_steps:]) / args.logging_steps
-                mean = window_loss / args.logging_steps
-                if not args.quiet:
-                    tqdm.write(f"| epoch {epoch:2d} | update {update:5d}/{total_updates} | lr {engine.last_lr:.2e} "
-                               f"| ms/update {ms:7.1f} | loss {mean:6.3f} | ppl {math.exp(mean):9.2f} |")
-                window_loss = 0.0
+            report_progress(args, history, epoch, total_updates)
         if args.eval_each_epoch:
             result = evaluate(engine, blocks.eval, args.per_device_eval_batch_size)
             history["epochs"].append({"epoch": epoch, "updates": len(history["update_losses"]), **result})
@@ -280,7 +429,8 @@ def parse_args(argv=None):
         """``--some-flag``, also spelled ``--some_flag`` as in Hugging Face's scripts."""
         p.add_argument(f"--{name}", *([f"--{name.replace('-', '_')}"] if "-" in name else []), **kwargs)
 
-    option("engine", choices=sorted(ENGINES), default="ort", help="who does the training step (default: ort)")
+    option("engine", choices=sorted(ENGINES), default="ort", help="who does the training step (default: ort): "
+           "ORTTrainer, the PyTorch loop, or transformers.Trainer on ORTModule(model) / on the plain model")
     option("model-name-or-path", help="pretrained GPT-2: a Hugging Face hub name or a local folder "
            "(default: a small GPT-2 from scratch with a BPE tokenizer trained on --train-file)")
     option("train-file", type=Path, help=f"training text (default: {DEFAULT_DATA})")
@@ -297,7 +447,8 @@ def parse_args(argv=None):
     option("per-device-train-batch-size", type=_int_at_least(1), default=8)
     option("per-device-eval-batch-size", type=_int_at_least(1), default=16)
     option("gradient-accumulation-steps", type=_int_at_least(1), default=1,
-           help="micro-batches per update; their gradients are summed, as ORTTrainer does")
+           help="micro-batches per update; their gradients are summed, as ORTTrainer does "
+           "(hf-trainer engines: averaged over the update's tokens, as Trainer does)")
     option("learning-rate", type=_float_in(0, math.inf), help="peak AdamW lr (default: 5e-5 with "
            "--model_name_or_path, as Hugging Face's Trainer; 1e-3 from scratch)")
     option("weight-decay", type=_float_in(0, math.inf), default=0.01, help="AdamW decay, not on biases and LayerNorm")
@@ -308,7 +459,8 @@ def parse_args(argv=None):
     option("logging-steps", type=_int_at_least(1), default=50, help="a log line every N updates")
     option("eval-each-epoch", action="store_true", help="also evaluate after every epoch")
     option("fetch-logits", action="store_true", help="ORT: declare the logits as an output too, returned by "
-           "every step (costs their memory and copy); evaluation then reports next-token accuracy")
+           "every step (costs their memory and copy); evaluation then reports next-token accuracy (hf-trainer "
+           "engines: through Trainer's compute_metrics)")
     option("seed", type=int, default=42, help="model initialisation, dropout and data order")
     option("device", choices=["cpu", "cuda"], default="cpu")
     option("output-dir", type=Path, help="write checkpoint.<engine>.pt, model/ (save_pretrained) and metrics.json")
@@ -353,6 +505,9 @@ def main(argv=None):
     blocks = type(blocks)(*(part.to(device) for part in blocks))
     per_update = args.per_device_train_batch_size * args.gradient_accumulation_steps
     updates_per_epoch = len(blocks.train) // per_update
+    if updates_per_epoch and hasattr(ENGINES[args.engine], "fit"):   # Trainer: the short last batch trains too
+        updates_per_epoch = math.ceil(len(blocks.train) / args.per_device_train_batch_size) // \
+            args.gradient_accumulation_steps
     if updates_per_epoch == 0:
         raise SystemExit(f"error: one update takes --per-device-train-batch-size {args.per_device_train_batch_size} x "
                          f"--gradient-accumulation-steps {args.gradient_accumulation_steps} = {per_update} blocks, "
@@ -369,11 +524,15 @@ def main(argv=None):
           f"| eval {len(blocks.eval)} blocks |")
     engine = ENGINES[args.engine](model.to(device), args, total_updates)
     train_start = time.perf_counter()
-    history = train(engine, blocks, args, total_updates)
+    if hasattr(engine, "fit"):   # transformers.Trainer: its own loop and evaluation
+        history = engine.fit(blocks)
+    else:
+        history = train(engine, blocks, args, total_updates)
     train_time = time.perf_counter() - train_start
     if args.output_dir:   # before evaluating: the trained weights are safe whatever happens next
         save_model(engine, tokenizer, args.output_dir)
-    result = evaluate(engine, blocks.eval, args.per_device_eval_batch_size)
+    result = (engine.evaluate(blocks.eval) if hasattr(engine, "fit")
+              else evaluate(engine, blocks.eval, args.per_device_eval_batch_size))
     seconds = history["update_seconds"]
     print("=" * 89)
     accuracy = f" accuracy {result['accuracy']:.3f} |" if "accuracy" in result else ""
