@@ -10,6 +10,9 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     packages=["ort_trainer", "ort_trainer.amp", "ort_trainer.data", "ort_trainer.optim", "ort_trainer.ortmodule",
+              # the private stages (DESIGN.md, "Stages")
+              "ort_trainer._configuration", "ort_trainer._export", "ort_trainer._graph", "ort_trainer._runtime",
+              "ort_trainer._optimizers", "ort_trainer._compile", "ort_trainer._trainer",
               "ort_trainer.kernels", "ort_trainer.schemas"],
     package_dir={"ort_trainer.kernels": "kernels", "ort_trainer.schemas": "schemas"},
     package_data={"ort_trainer.kernels": ["*.cu", "*.cuh"], "ort_trainer.schemas": ["*.yaml"]},

@@ -3,13 +3,13 @@
     from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
     from ort_trainer import ORTModule
 """
-from ._runtime import require_training_build
+from ._install import require_training_build
 
 require_training_build()
 
 from . import amp, data, optim  # noqa: E402
-from ._options import ORTTrainerOptions, PropagateCastOpsStrategy  # noqa: E402
-from ._trainer import ORTTrainer, TrainStepInfo  # noqa: E402
+from ._configuration.options import ORTTrainerOptions, PropagateCastOpsStrategy  # noqa: E402
+from ._trainer.trainer import ORTTrainer, TrainStepInfo  # noqa: E402
 from .ortmodule import ORTModule  # noqa: E402
 
 __all__ = ["ORTModule", "ORTTrainer", "ORTTrainerOptions", "PropagateCastOpsStrategy", "TrainStepInfo", "amp", "data", "optim"]

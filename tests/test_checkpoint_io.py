@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from ort_trainer import _checkpoint
+from ort_trainer import _checkpoint_files
+from ort_trainer._trainer import checkpoint as _checkpoint
 
 
 def raises_exactly(message, error=ValueError):
@@ -45,17 +46,17 @@ def assert_same(a, b):
 
 def test_round_trip(tmp_path):
     path = tmp_path / "ckpt.pt"
-    _checkpoint.save(path, STATE)
+    _checkpoint_files.save(path, STATE)
     loaded = _checkpoint.load(path)
     assert_same(loaded, STATE)
     assert_same(_checkpoint.load(str(path)), STATE)
-    _checkpoint.save(path, loaded)  # a loaded checkpoint saves again
+    _checkpoint_files.save(path, loaded)  # a loaded checkpoint saves again
     assert list(os.listdir(tmp_path)) == ["ckpt.pt"]
 
 
 def test_plain_torch_reads_it(tmp_path):
     path = tmp_path / "ckpt.pt"
-    _checkpoint.save(path, STATE)
+    _checkpoint_files.save(path, STATE)
     raw = torch.load(path, weights_only=True)
     assert (raw["format"], raw["format_version"]) == ("ort-trainer-checkpoint", 1)
     model = torch.nn.Linear(3, 2)
@@ -67,18 +68,18 @@ def test_file_permissions(tmp_path):
     path = tmp_path / "ckpt.pt"
     umask = os.umask(0o027)
     try:
-        _checkpoint.save(path, {})
+        _checkpoint_files.save(path, {})
     finally:
         os.umask(umask)
     assert os.stat(path).st_mode & 0o777 == 0o640  # the umask's, as for open(), not a temporary file's 0600
     os.chmod(path, 0o640)
-    _checkpoint.save(path, {})
+    _checkpoint_files.save(path, {})
     assert os.stat(path).st_mode & 0o777 == 0o640  # an overwritten file keeps its permissions
 
 
 def test_atomic_on_failure(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    _checkpoint.save(path, STATE)
+    _checkpoint_files.save(path, STATE)
     before = path.read_bytes()
     real_save = torch.save
 
@@ -89,9 +90,9 @@ def test_atomic_on_failure(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", failing_save)
     with raises_exactly("disk full", OSError):
-        _checkpoint.save(path, {"model": {"w": torch.ones(5)}})
+        _checkpoint_files.save(path, {"model": {"w": torch.ones(5)}})
     with raises_exactly("disk full", OSError):
-        _checkpoint.save(tmp_path / "new.pt", {})
+        _checkpoint_files.save(tmp_path / "new.pt", {})
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
@@ -105,9 +106,9 @@ def test_atomic_write(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _checkpoint.atomic_write(path, failing)
+        _checkpoint_files.atomic_write(path, failing)
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["model.onnx"]
-    _checkpoint.atomic_write(str(path), lambda file: file.write(b"new"))
+    _checkpoint_files.atomic_write(str(path), lambda file: file.write(b"new"))
     assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["model.onnx"]
 
 
@@ -115,7 +116,7 @@ def test_missing_directory(tmp_path):
     path = tmp_path / "nowhere" / "ckpt.pt"
     with raises_exactly(f"cannot write '{path}': directory '{tmp_path / 'nowhere'}' does not exist",
                         FileNotFoundError):
-        _checkpoint.save(path, STATE)
+        _checkpoint_files.save(path, STATE)
 
 
 @pytest.mark.parametrize("state, message", [
@@ -134,15 +135,15 @@ def test_missing_directory(tmp_path):
 def test_values_checked_before_writing(tmp_path, state, message):
     path = tmp_path / "ckpt.pt"
     with raises_exactly(message, TypeError):
-        _checkpoint.save(path, state)
+        _checkpoint_files.save(path, state)
     assert os.listdir(tmp_path) == []
 
 
 def test_reserved_keys_and_non_dict(tmp_path):
     with raises_exactly("cannot save checkpoint: state must not contain the reserved keys ['format_version']"):
-        _checkpoint.save(tmp_path / "ckpt.pt", {"format_version": 2})
+        _checkpoint_files.save(tmp_path / "ckpt.pt", {"format_version": 2})
     with raises_exactly("cannot save checkpoint: state must be a dict, got list", TypeError):
-        _checkpoint.save(tmp_path / "ckpt.pt", [1])
+        _checkpoint_files.save(tmp_path / "ckpt.pt", [1])
 
 
 def test_missing_file(tmp_path):
@@ -152,7 +153,7 @@ def test_missing_file(tmp_path):
 
 def test_truncated_file(tmp_path):
     path = tmp_path / "ckpt.pt"
-    _checkpoint.save(path, STATE)
+    _checkpoint_files.save(path, STATE)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with raises_exactly(f"checkpoint '{path}' is truncated or corrupt (BadZipFile: File is not a zip file)"):
@@ -162,7 +163,7 @@ def test_truncated_file(tmp_path):
 def test_damaged_pickle(tmp_path):
     """torch checks no CRC: without our check, flipped bytes would read as a foreign pickle."""
     path = tmp_path / "ckpt.pt"
-    _checkpoint.save(path, STATE)
+    _checkpoint_files.save(path, STATE)
     data = bytearray(path.read_bytes())
     start = data.index(b"\x80\x02")  # the pickle's PROTO opcode, in the stored data.pkl
     data[start + 2:start + 10] = b"\xff" * 8
@@ -233,8 +234,8 @@ def test_format_version(tmp_path, version, message):
 # ---------------------------------------------------------------- compare_keys
 
 def test_compare_keys_all_match():
-    assert _checkpoint.compare_keys("model", model_state(), model_state()) is None
-    assert _checkpoint.compare_keys("counters", {"step": 1}, {"step": 2.5}) is None  # only tensors are compared
+    assert _checkpoint_files.compare_keys("model", model_state(), model_state()) is None
+    assert _checkpoint_files.compare_keys("counters", {"step": 1}, {"step": 2.5}) is None  # only tensors are compared
 
 
 def test_compare_keys_lists_everything():
@@ -246,7 +247,7 @@ def test_compare_keys_lists_everything():
                         "torch.float32; shape mismatch for 'c': checkpoint (1,) vs model (); dtype mismatch for 'c': "
                         "checkpoint torch.int64 vs model torch.float32; type mismatch for 'n': checkpoint Tensor vs "
                         "model int"):
-        _checkpoint.compare_keys("model", expected, actual)
+        _checkpoint_files.compare_keys("model", expected, actual)
 
 
 def test_compare_keys_shortens_long_lists():
@@ -256,8 +257,8 @@ def test_compare_keys_shortens_long_lists():
     unexpected = ", ".join(f"'v{i:02d}'" for i in range(10))
     with raises_exactly(f"optimizer: missing keys [{missing}, ... and 3 more]; unexpected keys [{unexpected}, "
                         f"... and 1 more]"):
-        _checkpoint.compare_keys("optimizer", expected, actual)
+        _checkpoint_files.compare_keys("optimizer", expected, actual)
     shapes = {key: torch.zeros(2) for key in expected}
     message = "; ".join(f"shape mismatch for 'w{i:02d}': checkpoint (2,) vs model (1,)" for i in range(10))
     with raises_exactly(f"optimizer: {message}; ... and 3 more mismatches"):
-        _checkpoint.compare_keys("optimizer", expected, shapes)
+        _checkpoint_files.compare_keys("optimizer", expected, shapes)

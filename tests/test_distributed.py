@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions
-from ort_trainer._distributed import Shards, SingleProcess, setup, shard_layout
-from ort_trainer._flat import FlatLayout
+from ort_trainer._optimizers.flat import FlatLayout
+from ort_trainer._trainer.distributed import Shards, SingleProcess, setup, shard_layout
 
 from . import distributed_worker as worker
 from . import models

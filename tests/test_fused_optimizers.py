@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ort_trainer import _optim_cpu
+from ort_trainer._optimizers import cpu as _optim_cpu
 from ort_trainer.optim import FusedAdam, FusedLamb
 
 SHAPES = [(7, 5), (1,), (300,), (33, 17), (1025,), (4, 3, 2)]
@@ -64,7 +64,7 @@ def assert_same_state(ours, theirs, rtol=RTOL):
 
 
 # ----------------------------------------------------------------------------------------------
-# apex's math, transcribed in float64 (independent of ort_trainer._optim_reference)
+# apex's math, transcribed in float64 (independent of ort_trainer._optimizers.reference)
 # ----------------------------------------------------------------------------------------------
 
 

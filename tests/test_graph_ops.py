@@ -17,9 +17,11 @@ import torch.nn as nn
 from torch.onnx.errors import SymbolicValueError
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
-from ort_trainer._graph import (MissingGradientError, build_graphs, decompose_instance_normalization,
-                                expand_broadcast_inputs, torch_module)
-from ort_trainer._symbolics import register_symbolics
+from ort_trainer._export.symbolics import register_symbolics
+from ort_trainer._graph.fixes import expand_broadcast_inputs
+from ort_trainer._graph.missing_gradient import MissingGradientError, torch_module
+from ort_trainer._graph.normalization import decompose_instance_normalization
+from ort_trainer._graph.training_graphs import build_graphs
 
 from . import models
 

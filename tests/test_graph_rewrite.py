@@ -10,11 +10,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ort_trainer import ORTTrainer, _export, _trainer, optim
-from ort_trainer._binding import bind_inputs
-from ort_trainer._flat import graph_name
-from ort_trainer._graph import build_graphs, builder_session_options
-from ort_trainer._graph_cpu import fast_gelu_grad, fast_softmax_cross_entropy, substitute_cpu_kernels
+from ort_trainer import ORTTrainer, optim
+from ort_trainer._compile import step_graphs
+from ort_trainer._export import trace as _export
+from ort_trainer._export.binding import bind_inputs
+from ort_trainer._export.trace import graph_name
+from ort_trainer._graph import training_graphs
+from ort_trainer._graph.cpu_kernels import fast_gelu_grad, fast_softmax_cross_entropy, substitute_cpu_kernels
+from ort_trainer._graph.training_graphs import build_graphs
+from ort_trainer._onnx import quiet_session_options
 
 from . import models
 
@@ -59,10 +63,10 @@ def run(loss_fn, x, labels, spatial=False):
     exported = _exported(model, loss_fn, ["x", "labels"], ["loss", "logits"], [x, labels])
     names = [graph_name(name) for name, _ in model.named_parameters()]
     training, evaluation = build_graphs(exported, names, [], ["loss", "logits"], "loss",
-                                        substitute_kernels=substitute_cpu_kernels)
+                                        device_type="cpu")
     params = {graph_name(name): p.detach().numpy() for name, p in model.named_parameters()}
     feeds = {"x": x.numpy(), "labels": labels.numpy(), **params}
-    options = builder_session_options()
+    options = quiet_session_options()
     options.intra_op_num_threads = 1
     train_session = onnxruntime.InferenceSession(training, options, providers=["CPUExecutionProvider"])
     outputs = dict(zip([o.name for o in train_session.get_outputs()], train_session.run(None, feeds)))
@@ -180,7 +184,7 @@ def test_log_prob_is_last_read_by_the_backward(tmp_path):
     x, generator = _rows(8, seed=5)
     training, _, _, _ = run(nn.functional.cross_entropy, x, _labels(generator, (8,)))
     log_prob = next(node.output[0] for node in training.graph.node if node.op_type == "LogSoftmax")
-    options = builder_session_options()
+    options = quiet_session_options()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     onnxruntime.InferenceSession(training.SerializeToString(), options, providers=["CPUExecutionProvider"])
     readers = [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node
@@ -206,8 +210,8 @@ def _weight_gradient(model, tokens):
     """(training graph, its gradient of model.weight, torch's) for loss = model(tokens)."""
     exported = _exported(model, None, ["tokens"], ["loss"], [tokens])
     name = graph_name("weight")
-    training, _ = build_graphs(exported, [name], [], ["loss"], "loss", substitute_kernels=substitute_cpu_kernels)
-    session = onnxruntime.InferenceSession(training, builder_session_options(), providers=["CPUExecutionProvider"])
+    training, _ = build_graphs(exported, [name], [], ["loss"], "loss", device_type="cpu")
+    session = onnxruntime.InferenceSession(training, quiet_session_options(), providers=["CPUExecutionProvider"])
     ours = session.run([f"{name}_grad"], {"tokens": tokens.numpy(), name: model.weight.detach().numpy()})[0]
     model(tokens).backward()
     return onnx.load_from_string(training), ours, model.weight.grad.numpy()
@@ -266,7 +270,7 @@ def test_tanh_gelu_gradient_of_other_types_is_left_alone():
     assert fast_gelu_grad(model) == 0 and op_types(model) == {"FastGeluGrad"}
 
 
-def test_gpt2_trains_like_torch_with_the_rewritten_gelu_gradient():
+def test_gpt2_trains_like_torch_with_the_rewritten_gelu_gradient(monkeypatch):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=32,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -278,8 +282,8 @@ def test_gpt2_trains_like_torch_with_the_rewritten_gelu_gradient():
     trainer = ORTTrainer(model, {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
                                  "outputs": [("loss", [], True)]}, optim.SGDConfig(lr=0.1),
                          options={"utils": {"grad_norm_clip": False}})
-    trainer._placement.substitute_kernels = lambda training, evaluation: rewritten.append(
-        (substitute_cpu_kernels(training, evaluation), op_types(training)))
+    monkeypatch.setattr(training_graphs, "kernel_substitutions", lambda device_type: lambda training, evaluation: (
+        rewritten.append((substitute_cpu_kernels(training, evaluation), op_types(training)))))
     sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(0)
     for step in range(4):
@@ -310,10 +314,11 @@ def test_graphs_for_cuda_keep_ort_kernels():
 
 def test_the_cpu_trainer_builds_graphs_for_the_cpu(monkeypatch):
     calls = []
-    monkeypatch.setattr(_trainer, "build_graphs", lambda *args, **kwargs: calls.append(kwargs) or build_graphs(*args, **kwargs))
+    monkeypatch.setattr(step_graphs, "build_graphs",
+                        lambda *args, **kwargs: calls.append(kwargs) or build_graphs(*args, **kwargs))
     trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
     trainer.train_step(*models.mlp_batch(0))
-    assert [call["substitute_kernels"] for call in calls] == [substitute_cpu_kernels]
+    assert [call["device_type"] for call in calls] == ["cpu"]
 
 
 class _AttentionWithDropout(torch.nn.Module):

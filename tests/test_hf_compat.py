@@ -14,7 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import masking_utils  # noqa: E402
 
-from ort_trainer import ORTTrainer, ORTTrainerOptions, _hf_compat, optim  # noqa: E402
+from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer._export import hf_compat as _hf_compat  # noqa: E402
 
 VOCAB = 100
 DESC = {"inputs": [("input_ids", ["b", "s"]), ("attention_mask", ["b", "s"]), ("labels", ["b", "s"])],
@@ -184,7 +185,7 @@ def test_other_models_are_left_alone():
 
 def test_does_not_import_transformers():
     code = ("import sys, torch\n"
-            "from ort_trainer._hf_compat import export_patches\n"
+            "from ort_trainer._export.hf_compat import export_patches\n"
             "with export_patches(torch.nn.Linear(2, 2)):\n"
             "    pass\n"
             "assert 'transformers' not in sys.modules\n")

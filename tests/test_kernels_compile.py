@@ -19,9 +19,10 @@ import sys
 import numpy as np
 import pytest
 
-from ort_trainer import _kernels as K
-from ort_trainer._cuda import NVRTC11, CudaUnavailable, preload_cuda11_libraries
-from ort_trainer._flat import FlatLayout
+from ort_trainer._optimizers import cuda as K
+from ort_trainer._optimizers import cuda_tables as T
+from ort_trainer._optimizers.flat import FlatLayout
+from ort_trainer._runtime.cuda import NVRTC11, CudaUnavailable, preload_cuda11_libraries
 
 NVCC = shutil.which("nvcc")
 # The oldest architecture current nvcc targets, and Hopper (the H100 the project measures on).
@@ -143,23 +144,23 @@ def _defines(text):
 def test_launch_constants_match_common_header():
     defines = _defines(_files().joinpath("common.cuh").read_text())
     assert (defines["ORT_BLOCK"], defines["ORT_CHUNK"], defines["ORT_MAX_PARTIALS"]) == (
-        K.BLOCK, K.CHUNK, K.MAX_PARTIALS)
-    assert K.CHUNK % 4 == 0 and K.BLOCK % 32 == 0
+        T.BLOCK, T.CHUNK, T.MAX_PARTIALS)
+    assert T.CHUNK % 4 == 0 and T.BLOCK % 32 == 0
 
 
 def test_struct_sizes_match_static_asserts():
     text = _files().joinpath("common.cuh").read_text()
     sizes = dict(re.findall(r"static_assert\(sizeof\((\w+)\) == (\d+)", text))
-    assert int(sizes["OrtGroup"]) == K.GROUP_DTYPE.itemsize
-    assert int(sizes["OrtChunk"]) == K.CHUNK_DTYPE.itemsize
+    assert int(sizes["OrtGroup"]) == T.GROUP_DTYPE.itemsize
+    assert int(sizes["OrtChunk"]) == T.CHUNK_DTYPE.itemsize
 
 
-@pytest.mark.parametrize("family", sorted(K.GROUP_FIELDS))
+@pytest.mark.parametrize("family", sorted(T.GROUP_FIELDS))
 def test_group_fields_match_kernel_defines(family):
     text = _files().joinpath(f"{family}.cu").read_text()
     fields = {name: (field, int(index)) for name, index, field in re.findall(
         rf"#define\s+ORT_{family.upper()}_(\w+)\s+(\d+)\s*//\s*(f|d|flags)\[", text)}
-    assert fields == K.GROUP_FIELDS[family]
+    assert fields == T.GROUP_FIELDS[family]
     for name, (field, index) in fields.items():  # the comment's index is the define's value
         assert re.search(rf"ORT_{family.upper()}_{name}\s+{index}\s*//\s*{field}\[{index}\]", text)
 
@@ -176,31 +177,31 @@ LAMB = dict(alpha=0.8, beta=0.99, lambda_coef=0.0, epsilon=1e-6, ratio_min=-np.i
 
 def test_group_table_packs_hyperparameters():
     layout = FlatLayout.from_sizes([[3, 5], [7]], [ADAM, dict(ADAM, weight_decay_mode=0)])
-    table = K.group_table(layout, "adam")
-    assert table.dtype == K.GROUP_DTYPE and table.size == 2
+    table = T.group_table(layout, "adam")
+    assert table.dtype == T.GROUP_DTYPE and table.size == 2
     assert table["start"].tolist() == [0, 8] and table["stop"].tolist() == [8, 15]
     f, d, flags = table[0]["f"], table[0]["d"], table[0]["flags"]
     assert f[1] == np.float32(1 - 0.9) and f[3] == np.float32(1 - 0.999)  # rounded from double
     assert d[0] == 0.9 and d[1] == 0.999 and f[4] == np.float32(0.01) and f[5] == np.float32(1e-8)
     assert flags[:2].tolist() == [1, 1] and table[1]["flags"][1] == 0
-    lamb = K.group_table(FlatLayout.from_sizes([[4]], [LAMB]), "lamb")
+    lamb = T.group_table(FlatLayout.from_sizes([[4]], [LAMB]), "lamb")
     assert lamb[0]["d"][2] == -np.inf and lamb[0]["d"][3] == 2.0
     with pytest.raises(ValueError, match="lacks 'ratio_min'"):
-        K.group_table(layout, "lamb")
+        T.group_table(layout, "lamb")
 
 
 @pytest.mark.parametrize("sizes", [[[1]], [[1, 1, 2, 3], [16383, 16385]], [[40000, 16384], [5]],
                                    [[16384 * 3 + 1]]])
 def test_chunk_table_invariants(sizes):
     layout = FlatLayout.from_sizes(sizes, [LAMB] * len(sizes))
-    chunks, seg_chunk = K.chunk_table(layout)
+    chunks, seg_chunk = T.chunk_table(layout)
     offsets = layout.seg_offsets
     starts, stops = chunks["start"], chunks["stop"]
     assert starts[0] == 0 and stops[-1] == layout.size and np.all(starts[1:] == stops[:-1])
-    assert np.all(stops > starts) and np.all(stops - starts <= K.CHUNK)
+    assert np.all(stops > starts) and np.all(stops - starts <= T.CHUNK)
     assert np.all(offsets[chunks["seg"]] <= starts) and np.all(stops <= offsets[chunks["seg"] + 1])
     interior = starts[~np.isin(starts, offsets)]
-    assert np.all(interior % K.CHUNK == 0)  # so that float4 bodies stay aligned
+    assert np.all(interior % T.CHUNK == 0)  # so that float4 bodies stay aligned
     assert seg_chunk.dtype == np.int32 and seg_chunk[0] == 0 and seg_chunk[-1] == chunks.size
     for seg in range(offsets.size - 1):
         mine = chunks[seg_chunk[seg]:seg_chunk[seg + 1]]

@@ -37,7 +37,7 @@ def test_train_step_info_signature_of_the_original():
     info = TrainStepInfo(config, False, ["loss"], 3, 5)
     assert (info.optimizer_config, info.all_finite, info.fetches, info.optimization_step, info.step) == (
         config, False, ["loss"], 3, 5)
-    assert ort_trainer._train_step_info.TrainStepInfo is TrainStepInfo
+    assert ort_trainer._trainer.train_step_info.TrainStepInfo is TrainStepInfo
 
 
 def test_train_step_info_keeps_its_own_fetches_and_plain_ints():

@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from ort_trainer import TrainStepInfo, _checkpoint
+from ort_trainer import TrainStepInfo, _checkpoint_files
+from ort_trainer._trainer import checkpoint as _checkpoint
 from ort_trainer.amp import DynamicLossScaler, LossScaler
 from ort_trainer.optim import SGDConfig
 
@@ -118,7 +119,7 @@ def test_resume_equals_straight_run(tmp_path):
     straight = updates(DynamicLossScaler(loss_scale=32, up_scale_window=3, max_loss_scale=128), flags)
     first = DynamicLossScaler(loss_scale=32, up_scale_window=3, max_loss_scale=128)
     updates(first, flags[:5])
-    _checkpoint.save(tmp_path / "ckpt.pt", {"loss_scaler": first.state_dict()})
+    _checkpoint_files.save(tmp_path / "ckpt.pt", {"loss_scaler": first.state_dict()})
     resumed = DynamicLossScaler()  # other settings: the checkpoint's win
     resumed.load_state_dict(_checkpoint.load(tmp_path / "ckpt.pt")["loss_scaler"])
     assert resumed.state_dict() == first.state_dict()

@@ -4,9 +4,10 @@ import re
 
 import pytest
 
-from ort_trainer import TrainStepInfo, _checkpoint
-from ort_trainer.optim import (AdamConfig, ConstantWarmupLRScheduler, CosineWarmupLRScheduler,
-                               LinearWarmupLRScheduler, PolyWarmupLRScheduler, SGDConfig)
+from ort_trainer import TrainStepInfo, _checkpoint_files
+from ort_trainer._trainer import checkpoint as _checkpoint
+from ort_trainer.optim import (AdamConfig, ConstantWarmupLRScheduler, CosineWarmupLRScheduler, LinearWarmupLRScheduler,
+                               PolyWarmupLRScheduler, SGDConfig)
 
 
 def raises_exactly(message, error=ValueError):
@@ -185,7 +186,7 @@ def test_resume_equals_straight_run(cls, kwargs, tmp_path):
     straight = run(cls(total, warmup=0.3, **kwargs), range(total + 3))
     first = cls(total, warmup=0.3, **kwargs)
     run(first, range(stop))
-    _checkpoint.save(tmp_path / "ckpt.pt", {"lr_scheduler": first.state_dict()})
+    _checkpoint_files.save(tmp_path / "ckpt.pt", {"lr_scheduler": first.state_dict()})
     resumed = cls(99)  # other hyperparameters: the checkpoint's win
     resumed.load_state_dict(_checkpoint.load(tmp_path / "ckpt.pt")["lr_scheduler"])
     assert resumed.state_dict() == first.state_dict()

@@ -8,8 +8,11 @@ import onnxruntime
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, ORTTrainerOptions, _memory, optim
-from ort_trainer._session import Placement
+from ort_trainer import ORTTrainer, optim
+from ort_trainer._configuration.runtime_settings import RuntimeSettings
+from ort_trainer._runtime import memory as _memory
+from ort_trainer._runtime.placement import Placement
+from ort_trainer._runtime.sessions import Sessions
 
 from . import models
 
@@ -34,19 +37,19 @@ def _large_intermediate_model(mib):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
 def test_release_cached_memory_hands_the_arena_back():
-    placement = Placement(ORTTrainerOptions(), 1)
+    sessions = Sessions(Placement("cpu"), RuntimeSettings(threads=1))
     session = onnxruntime.InferenceSession(_large_intermediate_model(96).SerializeToString(),
-                                           placement.session_options(), providers=placement.providers)
+                                           sessions.session_options(), providers=sessions.providers)
     assert session.run(None, {"x": np.ones(1, np.float32)})[0] == 96 * MIB // 4
     held = _anon_mib()
-    placement.memory.release_cached_memory()
+    sessions.memory.release_cached_memory()
     assert held - _anon_mib() >= 80, (held, _anon_mib())
 
 
 def test_each_session_releases_cached_memory_around_its_first_run_only(monkeypatch):
     trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
     released = []
-    monkeypatch.setattr(trainer._placement.memory, "release_cached_memory", lambda: released.append(True))
+    monkeypatch.setattr(trainer._sessions.memory, "release_cached_memory", lambda: released.append(True))
     for step in range(3):
         trainer.train_step(*models.mlp_batch(step))
     assert len(released) == 2
@@ -96,7 +99,7 @@ def test_the_pool_keeps_one_free_output_of_each_of_the_last_two_sizes(pooled_tra
     another = pooled_trainer.eval_step(*models.mlp_batch(1))[1]
     del outputs[8], another  # two of one size: one kept
     del outputs[3], outputs[2]  # a third size: the oldest goes
-    free = pooled_trainer._placement.memory.free_outputs
+    free = pooled_trainer._sessions.memory.free_outputs
     assert list(free) == [3 * 5 * 4, 2 * 5 * 4]
     address = free[2 * 5 * 4].ctypes.data
     assert pooled_trainer.eval_step(*models.mlp_batch(0, batch=2))[1].data_ptr() == address

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from ort_trainer import _optim_cpu, _optim_reference
-from ort_trainer import _optimizers as opt
-from ort_trainer._flat import FlatLayout, GroupSlice
+from ort_trainer._optimizers import algorithms as opt
+from ort_trainer._optimizers import cpu as _optim_cpu
+from ort_trainer._optimizers import reference as _optim_reference
+from ort_trainer._optimizers.flat import FlatLayout, GroupSlice
 
 SGD_HYPER = dict(momentum=0.9, nesterov=False, lambda_coef=0.0, dampening=0.0)
 ADAM_HYPER = dict(alpha=0.9, beta=0.999, lambda_coef=0.0, epsilon=1e-8, do_bias_correction=True,
@@ -584,14 +585,14 @@ def test_cupy_backend_calls_kernels(monkeypatch):
     for name in ("ndarray", "zeros", "float32", "copyto", "asarray"):
         setattr(fake_cupy, name, getattr(np, name))
     calls = []
-    fake_kernels = types.ModuleType("ort_trainer._kernels")
+    fake_kernels = types.ModuleType("ort_trainer._optimizers.cuda")
     fake_kernels.require_cupy = lambda: fake_cupy
     fake_kernels.layout_table = lambda layout, family: ("table", family)
     for family in ("sgd", "adam", "lamb"):
         setattr(fake_kernels, f"{family}_step",
                 lambda table, *arrays, _family=family, **scalars: calls.append(
                     (_family, table, len(arrays), scalars)))
-    monkeypatch.setattr(opt, "_kernels", fake_kernels)
+    monkeypatch.setattr(opt, "cuda", fake_kernels)
 
     params, grads = np.ones(4, np.float32), np.ones(4, np.float32)
     for name, hyper in [("SGDOptimizer", SGD_HYPER), ("AdamOptimizer", ADAM_HYPER),

@@ -18,18 +18,15 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
-from ort_trainer._checkpoint import atomic_write
-from ort_trainer._graph import symbolic_shapes
-from ort_trainer._recompute import Recompute, layer_stack
-from ort_trainer._options import _NOT_YET_SUPPORTED
-from ort_trainer._session_config import (
-    cpu_arena_config,
-    provider_options_from,
-    save_graphs,
-    session_options_from,
-)
-from ort_trainer._symbolics import MARKER_DOMAIN
-from ort_trainer._validation import load_schema
+from ort_trainer._checkpoint_files import atomic_write
+from ort_trainer._configuration.options import _NOT_YET_SUPPORTED
+from ort_trainer._configuration.runtime_settings import RuntimeSettings
+from ort_trainer._configuration.validation import load_schema
+from ort_trainer._export.symbolics import MARKER_DOMAIN
+from ort_trainer._graph.recompute import Recompute, layer_stack
+from ort_trainer._graph.training_graphs import symbolic_shapes
+from ort_trainer._runtime.session_config import (cpu_arena_config, provider_options_from, save_graphs,
+                                                 session_options_from)
 
 from . import models
 
@@ -113,7 +110,7 @@ def _mlp_trainer(**options):
 
 def _sessions(trainer):
     """The ONNX Runtime sessions the trainer's compiled graphs run on (train and eval)."""
-    return [entry[0] for graph in trainer._graphs._graphs.values() for entry in graph._sessions.values()]
+    return [entry[0] for graph in trainer._graphs._graphs.values() for entry in graph._bound.values()]
 
 
 def _run_python(script):
@@ -148,9 +145,13 @@ def _config(session_options, key):
         return None
 
 
+def _settings(options=None):
+    return RuntimeSettings.of_trainer(ORTTrainerOptions(options), threads=1)
+
+
 def test_without_session_options_the_trainers_are_used():
     base = onnxruntime.SessionOptions()
-    assert session_options_from(ORTTrainerOptions(), base) is base
+    assert session_options_from(_settings(), base, {}) is base
 
 
 def test_the_users_session_options_win_over_the_trainers():
@@ -160,10 +161,11 @@ def test_the_users_session_options_win_over_the_trainers():
     user.add_session_config_entry("session.disable_prepacking", "1")
     base = onnxruntime.SessionOptions()
     base.intra_op_num_threads, base.log_severity_level, base.use_deterministic_compute = 2, 3, True
-    base.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    base.add_session_config_entry("session.use_env_allocators", "1")
+    entries = {"session.intra_op.allow_spinning": "0", "session.use_env_allocators": "1"}
+    for key, value in entries.items():
+        base.add_session_config_entry(key, value)
 
-    assert session_options_from(ORTTrainerOptions({"session_options": user}), base) is user
+    assert session_options_from(_settings({"session_options": user}), base, entries) is user
     assert (user.intra_op_num_threads, user.logid) == (3, "mine")  # the user's
     assert (user.log_severity_level, user.use_deterministic_compute) == (3, True)  # the trainer's, where unset
     assert [_config(user, key) for key in ("session.intra_op.allow_spinning", "session.disable_prepacking",
@@ -173,19 +175,19 @@ def test_the_users_session_options_win_over_the_trainers():
 def test_a_users_arena_off_stays_off_and_refuses_a_cpu_mem_limit():
     user = onnxruntime.SessionOptions()
     user.enable_cpu_mem_arena = False
-    base = onnxruntime.SessionOptions()
+    base, entries = onnxruntime.SessionOptions(), {"session.use_env_allocators": "1"}
     base.add_session_config_entry("session.use_env_allocators", "1")
-    session_options_from(ORTTrainerOptions({"session_options": user}), base)
+    session_options_from(_settings({"session_options": user}), base, entries)
     assert not user.enable_cpu_mem_arena and _config(user, "session.use_env_allocators") is None
-    limited = ORTTrainerOptions({"session_options": user, "device": {"mem_limit": 2**20}})
+    limited = _settings({"session_options": user, "device": {"mem_limit": 2**20}})
     with pytest.raises(ValueError, match="^" + re.escape(
             "Invalid options: device.mem_limit=1048576 limits ONNX Runtime's CPU arena, but "
             "session_options.enable_cpu_mem_arena is False (no arena); drop one of them") + "$"):
-        session_options_from(limited, base)
+        session_options_from(limited, base, entries)
 
 
 def test_session_options_reach_the_sessions():
-    """Needs the wiring: Placement.session_options() returns session_options_from(options, ...)."""
+    """Needs the wiring: Sessions.session_options() returns session_options_from(settings, ...)."""
     user = onnxruntime.SessionOptions()
     threads = torch.get_num_threads() + 1  # not what the trainer would pick
     user.intra_op_num_threads, user.logid = threads, "mine"
@@ -221,7 +223,7 @@ def test_provider_options_merge_into_the_trainers_providers():
         "provider_options": {"CUDAExecutionProvider": {"arena_extend_strategy": "kSameAsRequested",
                                                        "do_copy_in_default_stream": 1},
                              "CPUExecutionProvider": {}}})
-    assert provider_options_from(options, CUDA_BASE) == [
+    assert provider_options_from(RuntimeSettings.of_trainer(options, threads=1), CUDA_BASE) == [
         ("CUDAExecutionProvider", {"device_id": "1", "has_user_compute_stream": "1", "user_compute_stream": "7",
                                    "arena_extend_strategy": "kSameAsRequested", "do_copy_in_default_stream": "1",
                                    "gpu_mem_limit": "1073741824"}),
@@ -232,16 +234,16 @@ def test_provider_options_merge_into_the_trainers_providers():
 @pytest.mark.parametrize("options", [{}, {"provider_options": {"CPUExecutionProvider": {}}},
                                      {"device": {"mem_limit": 2**30}}], ids=["default", "empty", "cpu_mem_limit"])
 def test_cpu_providers_take_no_options(options):
-    assert provider_options_from(ORTTrainerOptions(options), ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    assert provider_options_from(_settings(options), ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
 
 
 def test_cuda_provider_without_options_is_the_trainers():
-    assert provider_options_from(ORTTrainerOptions({"device": {"id": "cuda:1"}}), CUDA_BASE) == CUDA_BASE
+    assert provider_options_from(_settings({"device": {"id": "cuda:1"}}), CUDA_BASE) == CUDA_BASE
 
 
 @needs_cuda
 def test_cuda_provider_options_and_mem_limit_reach_the_session():
-    """Needs the wiring: Placement.providers = provider_options_from(options, ...)."""
+    """Needs the wiring: Sessions.providers = provider_options_from(settings, ...)."""
     options = ORTTrainerOptions({
         "device": {"id": "cuda", "mem_limit": 2**30},
         "provider_options": {"CUDAExecutionProvider": {"arena_extend_strategy": "kSameAsRequested"}}})
@@ -263,7 +265,7 @@ def test_the_shared_cpu_arena_holds_onnxruntime_to_the_limit():
     """ONNX Runtime itself refuses a run over max_mem; a second limit in one process is refused."""
     result = _run_python("""
         import json, numpy as np, onnxruntime
-        from ort_trainer._session_config import register_shared_cpu_arena
+        from ort_trainer._runtime.session_config import register_shared_cpu_arena
         from tests.test_options_effect import _tiny_model
         register_shared_cpu_arena(16 << 20)
         register_shared_cpu_arena(16 << 20)  # the same limit again: nothing to do
@@ -292,7 +294,7 @@ def test_the_shared_cpu_arena_holds_onnxruntime_to_the_limit():
 
 
 def test_cpu_mem_limit_fails_a_step_over_it():
-    """Needs the wiring: a CPU Placement registers the shared arena with register_shared_cpu_arena()."""
+    """Needs the wiring: CPU Sessions register the shared arena with register_shared_cpu_arena()."""
     result = _run_python("""
         import json
         from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
@@ -402,7 +404,7 @@ def test_importing_ort_trainer_leaves_the_umask_alone():
         import json, os
         calls, umask = [], os.umask
         os.umask = lambda mask: calls.append(mask) or umask(mask)
-        import ort_trainer, ort_trainer._checkpoint
+        import ort_trainer, ort_trainer._trainer.checkpoint
         print(json.dumps(calls))
     """)
     assert calls == []
@@ -619,11 +621,11 @@ def test_recompute_sessions_run_in_priority_order_without_skip_layer_norm_fusion
     user = onnxruntime.SessionOptions()
     if user_disabled is not None:
         user.add_session_config_entry("optimization.disable_specified_optimizers", user_disabled)
-    options = ORTTrainerOptions({"graph_transformer": {"gelu_recompute": True}, "session_options": user})
-    chosen = session_options_from(options, onnxruntime.SessionOptions())
+    options = _settings({"graph_transformer": {"gelu_recompute": True}, "session_options": user})
+    chosen = session_options_from(options, onnxruntime.SessionOptions(), {})
     assert chosen.execution_order == onnxruntime.ExecutionOrder.PRIORITY_BASED
     assert _config(chosen, "optimization.disable_specified_optimizers") == expected
-    plain = session_options_from(ORTTrainerOptions(), onnxruntime.SessionOptions())
+    plain = session_options_from(_settings(), onnxruntime.SessionOptions(), {})
     assert plain.execution_order == onnxruntime.ExecutionOrder.DEFAULT
     assert _config(plain, "optimization.disable_specified_optimizers") is None
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ort_trainer._ortmodule import MAX_CACHED_GRAPHS
 from ort_trainer.ortmodule import DebugOptions, LogLevel, ORTModule
+from ort_trainer.ortmodule._wrapper import MAX_CACHED_GRAPHS
 
 from . import models
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ort_trainer import ORTTrainer, ORTTrainerOptions, _export, optim
+from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer._compile import exports as _export
 
 from . import models
 

@@ -253,7 +253,7 @@ def test_check_model_export_reports_a_graph_that_differs_from_torch():
 
 
 def test_opset_version_option_is_used(monkeypatch):
-    from ort_trainer import _export
+    from ort_trainer._compile import exports as _export
 
     exported = []
     original = _export.export_training_model

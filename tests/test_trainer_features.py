@@ -56,7 +56,7 @@ def test_non_finite_gradients_skip_the_update_and_back_off_the_scale(poison):
     trainer = mixed_precision_trainer(scaler)
     trainer.train_step(*models.mlp_batch(0))
     weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    optimizer_state = {k: v.copy() for k, v in trainer._optimizer.state.items()}
+    optimizer_state = {k: v.copy() for k, v in trainer._weights.optimizer.state.items()}
     x, y = models.mlp_batch(1)
     x[0, 0] = poison  # a non-finite input gives non-finite gradients
     trainer.train_step(x, y)
@@ -65,9 +65,9 @@ def test_non_finite_gradients_skip_the_update_and_back_off_the_scale(poison):
     assert scaler.loss_scale == 2.0 ** 9 and float(trainer._loss_scale) == 2.0 ** 9
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, weights[name]), name
-    for name, array in trainer._optimizer.state.items():
+    for name, array in trainer._weights.optimizer.state.items():
         assert np.array_equal(array, optimizer_state[name]), name
-    assert trainer._optimizer.step_count == 1
+    assert trainer._weights.optimizer.step_count == 1
     for step in range(2, 5):
         trainer.train_step(*models.mlp_batch(step))
         assert trainer.train_step_info.all_finite
@@ -87,7 +87,7 @@ def test_frozen_weights_get_no_gradient_and_stay_put():
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     for step in range(3):
         trainer.train_step(*models.mlp_batch(step))
-    assert "model.net.0.weight" not in trainer._flat.names
+    assert "model.net.0.weight" not in trainer._weights.flat.names
     session = trainer._graphs.get(next(iter(trainer._graphs._graphs)))._session(True)[0]
     gradient_outputs = {o.name for o in session.get_outputs() if o.name.endswith("_grad")}
     assert gradient_outputs == {f"model.{n}_grad" for n in ("net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias")}

@@ -6,13 +6,14 @@ import onnxruntime.training
 import pytest
 import torch
 
-from ort_trainer._model_desc import InputDescription, ModelDescription, OutputDescription, parse_model_desc
-from ort_trainer._options import _NOT_YET_SUPPORTED, ORTTrainerOptions, PropagateCastOpsStrategy, _lookup
-from ort_trainer._validation import load_schema, validate
+from ort_trainer._configuration.model_desc import (InputDescription, ModelDescription, OutputDescription,
+                                                   parse_model_desc)
+from ort_trainer._configuration.options import _NOT_YET_SUPPORTED, ORTTrainerOptions, PropagateCastOpsStrategy, _lookup
+from ort_trainer._configuration.validation import load_schema, validate
 
 TOP_LEVEL_KEYS = ("_internal_use, batch, debug, device, distributed, graph_transformer, lr_scheduler, "
                   "mixed_precision, provider_options, session_options, utils")
-UTILS_KEYS = ("dynamic_shapes, frozen_weights, grad_norm_clip, invertible_layer_norm_gradient, max_cached_graphs, "
+UTILS_KEYS = ("frozen_weights, grad_norm_clip, invertible_layer_norm_gradient, max_cached_graphs, "
               "memory_efficient_gradient, run_symbolic_shape_infer")
 DTYPES = "'bfloat16', 'bool', 'float16', 'float32', 'float64', 'int8', 'int32', 'int64', 'uint8'"
 
@@ -55,7 +56,7 @@ DEFAULT_OPTIONS = {
     "utils": {
         "frozen_weights": [], "grad_norm_clip": True, "memory_efficient_gradient": False,
         "invertible_layer_norm_gradient": False, "run_symbolic_shape_infer": False,
-        "max_cached_graphs": 8, "dynamic_shapes": False,
+        "max_cached_graphs": 8,
     },
     "debug": {
         "deterministic_compute": False, "check_model_export": False,
@@ -274,7 +275,6 @@ NON_DEFAULT = {
     "graph_transformer.propagate_cast_ops_config.allow": ["Add"],
     "utils.invertible_layer_norm_gradient": True,
     "utils.memory_efficient_gradient": True,
-    "utils.dynamic_shapes": True,
     "_internal_use.enable_internal_postprocess": False,
     "_internal_use.extra_postprocess": print,
 }
@@ -331,7 +331,7 @@ def test_a_cast_strategy_other_than_the_default_is_refused_by_name(strategy):
 
 def test_not_yet_supported_accepts_defaults_spelled_out():
     spelled_out = {"mixed_precision": {"enabled": False}, "lr_scheduler": None, "distributed": {"world_size": 1},
-                   "utils": {"dynamic_shapes": False, "memory_efficient_gradient": False}}
+                   "utils": {"memory_efficient_gradient": False}}
     assert ORTTrainerOptions(spelled_out)._validated_opts == DEFAULT_OPTIONS
 
 

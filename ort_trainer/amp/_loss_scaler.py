@@ -3,8 +3,8 @@ gradients do not underflow; the gradients are divided by it again before the upd
 import abc
 from collections.abc import Mapping
 
-from .._checkpoint import check_component_state
-from .._validation import validate
+from .._checkpoint_files import check_component_state
+from .._configuration.validation import validate
 
 
 class LossScaler(abc.ABC):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from .._validation import validate
+from .._configuration.validation import validate
 
 _GLOBAL_KEYS = ("params", "lr", "max_norm_clip")
 
@@ -26,6 +26,11 @@ class DecayMode(enum.IntEnum):
 @dataclass(frozen=True, repr=False)
 class _OptimizerConfig:
     """Validation, parameter groups and hyperparameter resolution shared by the configs.
+
+    Every config takes ``params`` (parameter groups ``[{'params': [names], 'lambda_coef': 0.0, ...}]``,
+    or None), ``lr`` (the learning rate, > 0) and ``max_norm_clip`` (the global gradient-norm bound
+    when ``options.utils.grad_norm_clip`` is on, > 0); Adam and Lamb ``alpha`` and ``beta`` (the
+    first- and second-moment decays, in [0, 1)) and ``lambda_coef`` (weight decay, >= 0).
 
     After construction ``params`` holds the normalized groups: read-only mappings with ``'params'``
     a tuple of names and only the keys the group overrides ('lambda' renamed to 'lambda_coef').
@@ -116,13 +121,10 @@ class SGDConfig(_OptimizerConfig):
     ``g = grad + lambda_coef * w``; with momentum ``b = momentum * b + g`` and ``g = g + momentum * b``
     (nesterov) or ``g = b``; then ``w -= lr * g``. The original had only ``lr`` (plain ``w -= lr * g``).
 
-    Args:
-        params: parameter groups ``[{'params': [names], 'momentum': 0.9, ...}]``, or None.
-        lr: learning rate, > 0.
+    Args (besides ``params``, ``lr`` and ``max_norm_clip``, see ``_OptimizerConfig``):
         momentum: >= 0.
         nesterov: Nesterov momentum; requires momentum > 0.
         lambda_coef: L2 weight decay, >= 0.
-        max_norm_clip: global gradient-norm bound when ``options.utils.grad_norm_clip`` is on, > 0.
     """
 
     name: ClassVar[str] = "SGDOptimizer"
@@ -148,14 +150,8 @@ class AdamConfig(_OptimizerConfig):
     ``c2 = 1-beta**t`` (1 without ``do_bias_correction``); weight decay per ``weight_decay_mode``
     (see ``DecayMode``).
 
-    Args:
-        params: parameter groups ``[{'params': [names], 'lambda_coef': 0.0, ...}]``, or None.
-        lr: learning rate, > 0.
-        alpha: first-moment decay, in [0, 1).
-        beta: second-moment decay, in [0, 1).
-        lambda_coef: weight decay, >= 0.
+    Args (besides those of ``_OptimizerConfig``):
         epsilon: added to sqrt(v), >= 0.
-        max_norm_clip: global gradient-norm bound when ``options.utils.grad_norm_clip`` is on, > 0.
         do_bias_correction: divide the moments by c1, c2.
         weight_decay_mode: ``DecayMode`` (or its int value).
     """
@@ -184,16 +180,10 @@ class LambConfig(_OptimizerConfig):
     ``d = lambda_coef*w + m_hat/(sqrt(v_hat)+epsilon)``, trust ratio
     ``r = clamp(||w|| / ||d||, ratio_min, ratio_max)`` (1 if a norm is 0), ``w -= lr * r * d``.
 
-    Args:
-        params: parameter groups ``[{'params': [names], 'lambda_coef': 0.0, ...}]``, or None.
-        lr: learning rate, > 0.
-        alpha: first-moment decay, in [0, 1).
-        beta: second-moment decay, in [0, 1).
-        lambda_coef: weight decay, >= 0.
+    Args (besides those of ``_OptimizerConfig``):
         ratio_min: lower clamp of the trust ratio, <= ratio_max.
         ratio_max: upper clamp of the trust ratio.
         epsilon: added to sqrt(v_hat), >= 0.
-        max_norm_clip: global gradient-norm bound when ``options.utils.grad_norm_clip`` is on, > 0.
         do_bias_correction: divide the moments by c1, c2.
     """
 

@@ -13,12 +13,17 @@ number ``total_steps`` is the one that reaches the end of the decay (Linear and 
 import math
 from collections.abc import Mapping
 
-from .._checkpoint import check_component_state
-from .._validation import validate
+from .._checkpoint_files import check_component_state
+from .._configuration.validation import validate
 
 
 class _LRScheduler:
-    """Validation, warmup, stepping and state shared by the schedulers; subclasses define ``_decay``."""
+    """Validation, warmup, stepping and state shared by the schedulers; subclasses define ``_decay``.
+
+    Every scheduler takes ``total_steps`` (the number of optimizer updates in the schedule, an int
+    > 0) and ``warmup`` (the fraction of ``total_steps`` spent warming up, in [0, 1)). Differs from
+    the original: the k-th update uses ``t = k`` (the original's first update had lr 0).
+    """
 
     def __init__(self, **config):
         self._configure(f"Invalid {type(self).__name__}", config)
@@ -76,14 +81,7 @@ class _LRScheduler:
 
 
 class ConstantWarmupLRScheduler(_LRScheduler):
-    """Linear warmup, then the base lr.
-
-    Args:
-        total_steps: number of optimizer updates in the schedule, an int > 0.
-        warmup: fraction of ``total_steps`` spent warming up, in [0, 1).
-
-    Differs from the original: the k-th update uses ``t = k`` (the original's first update had lr 0).
-    """
+    """Linear warmup, then the base lr (``total_steps``, ``warmup``: see ``_LRScheduler``)."""
 
     def __init__(self, total_steps, warmup=0.002):
         super().__init__(total_steps=total_steps, warmup=warmup)
@@ -96,14 +94,8 @@ class CosineWarmupLRScheduler(_LRScheduler):
     """Linear warmup, then ``max(0, 0.5 * (1 + cos(2 * pi * cycles * p)))``, ``p = (t - W) / max(1, total - W)``.
 
     With the default half cycle the lr reaches 0 at ``t = total_steps``; as in the original, the cosine
-    goes on past it (it rises again).
-
-    Args:
-        total_steps: number of optimizer updates in the schedule, an int > 0.
-        cycles: number of cosine periods over the decay, > 0.
-        warmup: fraction of ``total_steps`` spent warming up, in [0, 1).
-
-    Differs from the original: the k-th update uses ``t = k`` (the original's first update had lr 0).
+    goes on past it (it rises again). ``cycles``: the number of cosine periods over the decay, > 0
+    (``total_steps``, ``warmup``: see ``_LRScheduler``).
     """
 
     def __init__(self, total_steps, cycles=0.5, warmup=0.002):
@@ -115,14 +107,8 @@ class CosineWarmupLRScheduler(_LRScheduler):
 
 
 class LinearWarmupLRScheduler(_LRScheduler):
-    """Linear warmup, then ``max(0, (total - t) / max(1, total - W))``: 0 from ``t = total_steps`` on.
-
-    Args:
-        total_steps: number of optimizer updates in the schedule, an int > 0.
-        warmup: fraction of ``total_steps`` spent warming up, in [0, 1).
-
-    Differs from the original: the k-th update uses ``t = k`` (the original's first update had lr 0).
-    """
+    """Linear warmup, then ``max(0, (total - t) / max(1, total - W))``: 0 from ``t = total_steps`` on
+    (``total_steps``, ``warmup``: see ``_LRScheduler``)."""
 
     def __init__(self, total_steps, warmup=0.002):
         super().__init__(total_steps=total_steps, warmup=warmup)
@@ -135,15 +121,12 @@ class PolyWarmupLRScheduler(_LRScheduler):
     """Linear warmup, then ``lr = (base_lr - lr_end) * (1 - (t - W) / (total - W)) ** power + lr_end``,
     and ``lr_end`` after ``total_steps``.
 
-    Args:
-        total_steps: number of optimizer updates in the schedule, an int > 0.
+    Args (besides ``total_steps`` and ``warmup``, see ``_LRScheduler``):
         lr_end: final learning rate, >= 0 and below the optimizer's lr.
         power: exponent of the decay, >= 0 (1: linear).
-        warmup: fraction of ``total_steps`` spent warming up, in [0, 1).
 
-    Differs from the original: the k-th update uses ``t = k`` (the original's first update had lr 0), and
-    an optimizer lr <= ``lr_end`` raises ValueError naming both (the original's assert message itself
-    failed, with a NameError).
+    An optimizer lr <= ``lr_end`` raises ValueError naming both (the original's assert message
+    itself failed, with a NameError).
     """
 
     def __init__(self, total_steps, lr_end=1e-7, power=1.0, warmup=0.002):

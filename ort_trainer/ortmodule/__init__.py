@@ -2,7 +2,7 @@
 
     from ort_trainer.ortmodule import ORTModule, DebugOptions, LogLevel
 """
-from .._ortmodule import ORTModule
-from .._ortmodule_options import DebugOptions, LogLevel
+from .._configuration.ortmodule_settings import DebugOptions, LogLevel
+from ._wrapper import ORTModule
 
 __all__ = ["ORTModule", "DebugOptions", "LogLevel"]

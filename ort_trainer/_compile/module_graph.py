@@ -1,0 +1,141 @@
+"""ORTModule's compile stage: one input signature of the wrapped model, compiled. The model exported
+(every module in its own train/eval state), training-mode BatchNorms rewritten, the graph fixes,
+ONNX Runtime's ORTModule graph builder, the device's kernel substitutions, then a runner (a
+`TrainingAgent`, or an inference session for calls without gradients).
+
+Parameters and buffers are graph inputs read from the model's own tensors on every call (DLPack,
+no copy); gradients come back as new tensors, for autograd to accumulate into `.grad`.
+"""
+import enum
+import logging
+import os
+import time
+
+import onnx
+
+from .._configuration.ortmodule_settings import LogLevel
+from .._export.outputs import output_names
+from .._export.trace import export_training_model, graph_name
+from .._graph.batch_norm import BatchStatistics
+from .._graph.cpu_kernels import kernel_substitutions
+from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
+from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
+                                    outputs_reaching, outputs_read_by_backward)
+from .._graph.training_graphs import draws_random_numbers
+from .._runtime.module_runner import ModuleRunner
+
+LOGGER = logging.getLogger("ort_trainer.ortmodule")
+
+
+class Source(enum.Enum):
+    """Where a graph input comes from on each call."""
+
+    CALL = "an input of the call"
+    WEIGHT = "a parameter or buffer of the model"
+    WEIGHT_WITHOUT_GRADIENT = "a weight read where it gets no gradient (an embedding's padding rows)"
+
+
+class ModuleGraph:
+    """The compiled graph of one input signature (see the module docstring) and how to feed it.
+
+    `schema`: the OutputSchema of forward()'s result. `trains`: a graph with a backward (the call
+    needs gradients). `sessions`: the placement's `Sessions`; `settings`: the ORTModule's settings."""
+
+    def __init__(self, model, binding, values, schema, sessions, settings, needs_grad):
+        self.schema, self.trains = schema, needs_grad
+        started = time.perf_counter()
+        outputs = output_names(schema)
+        exported = export_training_model(model, None, binding, outputs, values, settings.opset)
+        _save(settings, exported, "torch_exported", training=needs_grad)
+        self.batch_statistics = BatchStatistics(model)  # training-mode BatchNorms: batch statistics as outputs
+        self.batch_statistics.rewrite(exported)
+        by_graph_name = {graph_name(name): name for name, _ in (*model.named_parameters(), *model.named_buffers())}
+        weights = [i.name for i in exported.graph.initializer if i.name in by_graph_name]
+        parameters = dict(model.named_parameters())
+        trainable = [name for name in weights if needs_grad and by_graph_name[name] in parameters
+                     and parameters[by_graph_name[name]].requires_grad]
+        weights_as_inputs(exported, weights)
+        aliases = (prepare_for_gradient(exported, trainable) if needs_grad
+                   else padding_rows_without_gradient(exported, ()))
+        known = set(weights) | set(aliases)
+        user = [i.name for i in exported.graph.input if i.name not in known]  # unused inputs are not graph inputs
+        requiring_grad = [name for name in user if needs_grad and values[name].requires_grad]
+        built = build_module_graph(
+            exported, weights + aliases, trainable, requiring_grad, outputs, schema.shapes, trains=needs_grad,
+            severity=settings.ort_severity, compute_optimizer=settings.compute_optimizer,
+            pre_grad_path=_path(settings, "pre_grad", training=True), log=lambda message: _info(settings, message))
+        model_proto = built.model
+        self.non_differentiable, self.full_shape_grads = built.non_differentiable, built.full_shape_grads
+        describe_outputs(model_proto, outputs, schema.dtypes, schema.shapes)
+        self.batch_statistics.describe(model_proto)
+        substitute = kernel_substitutions(sessions.placement.ort_device)
+        if substitute is not None:
+            substitute(model_proto, model_proto)  # each rewrite finds its nodes in either kind
+        graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
+        if needs_grad:
+            self._reaching = outputs_reaching(model_proto, graph_outputs, outputs)
+            self.read_by_backward = outputs_read_by_backward(model_proto, outputs)
+            forward_outputs_as_graph_outputs(model_proto, outputs + self.batch_statistics.outputs)
+        _save(settings, model_proto, "optimized", training=needs_grad)
+        inputs = [i.name for i in model_proto.graph.input]
+        self._runner = ModuleRunner(
+            sessions, model_proto.SerializeToString(), inputs, graph_outputs,
+            len(outputs) + len(self.batch_statistics.outputs), trains=needs_grad,
+            draws_random_numbers=draws_random_numbers(model_proto),
+            optimized_model_path=_path(settings, "execution_model", training=needs_grad))
+        sources = {**{name: (Source.CALL, name) for name in user},
+                   **{name: (Source.WEIGHT, by_graph_name[name]) for name in weights},
+                   **{name: (Source.WEIGHT_WITHOUT_GRADIENT, by_graph_name[name[:-len(NO_GRADIENT_SUFFIX)]])
+                      for name in aliases}}
+        self._sources = [sources[name] for name in inputs]
+        slots = {name: index for index, name in enumerate(built.differentiated)}
+        self.gradient_slots = [slots.get(name) for name in inputs]  # each feed's backward output
+        _info(settings, "compiled the %s graph of %s for inputs %s in %.2f s", self.kind, type(model).__name__,
+              {name: list(values[name].shape) for name in user}, time.perf_counter() - started)
+
+    @property
+    def kind(self):
+        return "training" if self.trains else "inference"
+
+    def feeds(self, values, named):
+        """The graph's inputs for one call, in order: `values` {input name: tensor} of the call,
+        `named` {torch name: tensor} of the model's parameters and buffers."""
+        return [values[key] if source is Source.CALL else named[key] if source is Source.WEIGHT
+                else named[key].detach() for source, key in self._sources]
+
+    def infer(self, feeds):
+        """The forward alone (no gradient): the outputs as tensors."""
+        return self._runner.infer(feeds)
+
+    def run_forward(self, feeds):
+        """(outputs, state): the forward of a training call; `state` keeps what its backward reads."""
+        return self._runner.run_forward(feeds)
+
+    def run_backward(self, state, output_grads, used):
+        """The gradients of the forward's inputs that require one, in feed order, from the gradients
+        of its outputs (`output_grads`: tensors, in output order; `used`: the indices of the outputs
+        that received a gradient, the others' are zeros). None for the others, and for those no
+        output in `used` depends on: torch leaves them without a gradient, ONNX Runtime gives zeros."""
+        grads = self._runner.run_backward(state, output_grads)
+        return [None if slot is None or not self._reaching[slot] & used else grads[slot]
+                for slot in self.gradient_slots]
+
+
+def _info(settings, message, *args):
+    """A line for the `ort_trainer.ortmodule` logger, at LogLevel INFO and below."""
+    if settings.log_level <= LogLevel.INFO:
+        LOGGER.info("ORTModule: " + message, *args)
+
+
+def _path(settings, stage, *, training):
+    """Where DebugOptions(save_onnx=True) writes a stage's model; None when it saves nothing."""
+    if settings.save_directory is None:
+        return None
+    return os.path.join(settings.save_directory,
+                        f"{settings.onnx_prefix}_{stage}_{'training' if training else 'inference'}.onnx")
+
+
+def _save(settings, model_proto, stage, *, training):
+    path = _path(settings, stage, training=training)
+    if path is not None:
+        onnx.save(model_proto, path)

@@ -1,0 +1,144 @@
+"""TorchScript-exporter symbolics for aten ops it lacks or exports wrong, registered once per process."""
+import functools
+
+import torch
+from torch.onnx import symbolic_helper
+from torch.onnx._internal.torchscript_exporter import symbolic_opset14
+from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+# Domain of the marker nodes our symbolics leave for `_graph.fixes` to rewrite (none reaches ORT).
+MARKER_DOMAIN = "ort_trainer"
+from torch.onnx.errors import SymbolicValueError
+
+
+@functools.cache
+def register_symbolics():
+    """Registers our symbolics (idempotent; called before every export).
+
+    A symbolic serves its opset and every later one: the exporter picks the newest registration
+    at or below the target, ours before torch's at the same opset.
+    """
+    torch.onnx.register_custom_op_symbolic("aten::diff", _diff, 9)
+    torch.onnx.register_custom_op_symbolic("aten::cumsum", _cumsum, 11)  # ONNX CumSum: opset 11
+    torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _attention, 14)
+    torch.onnx.register_custom_op_symbolic("aten::embedding", _embedding, 9)
+
+
+def _diff(g, data, n, dim, prepend, append):
+    """torch.diff: prepend and append concatenated along `dim` (in their promoted type), then
+    x[1:] - x[:-1] along it, n times (logical xor for bool, as torch).
+
+    Why: transformers' masking_utils (4.57 and 5) calls it on the position ids when a model gets
+    no attention mask (`find_packed_sequence_indices`: GPT-2, Llama, ...). `n` and `dim` must be
+    constants: they are plain ints when traced.
+    """
+    n = _constant_int(n, "torch.diff", "n")
+    dim = _constant_int(dim, "torch.diff", "dim")
+    rank = symbolic_helper._get_tensor_rank(data)
+    if dim < 0 and rank is not None:  # Slice and Concat take negative axes from opset 11 only
+        dim += rank
+    parts = [part for part in (prepend, data, append) if not symbolic_helper._is_none(part)]
+    scalar_type = functools.reduce(torch.promote_types, (_scalar_type(part).dtype() for part in parts))
+    parts = [_cast(g, part, scalar_type) for part in parts]
+    x = g.op("Concat", *parts, axis_i=dim) if len(parts) > 1 else parts[0]
+    subtract = "Xor" if scalar_type == torch.bool else "Sub"
+    for _ in range(n):
+        later = symbolic_helper._slice_helper(g, x, axes=[dim], starts=[1], ends=[torch.iinfo(torch.int64).max])
+        earlier = symbolic_helper._slice_helper(g, x, axes=[dim], starts=[0], ends=[-1])
+        x = g.op(subtract, later, earlier)
+    return x
+
+
+def _cumsum(g, data, dim, dtype):
+    """torch.cumsum with torch's result type: bool and integer inputs sum as int64, or as `dtype`.
+
+    Why: torch's symbolic leaves a bool input bool (which ONNX CumSum rejects; transformers'
+    packed-sequence check `(position_diff != 1).cumsum(-1)` has one), an int32 one int32, and
+    ignores a constant `dtype`.
+    """
+    dim = _constant_int(dim, "torch.cumsum", "dim")
+    if not symbolic_helper._is_none(dtype):
+        result = torch.onnx.JitScalarType(_constant_int(dtype, "torch.cumsum", "dtype")).dtype()
+    else:
+        result = _scalar_type(data).dtype()
+        if not (result.is_floating_point or result.is_complex):
+            result = torch.int64
+    axis = g.op("Constant", value_t=torch.tensor(dim, dtype=torch.int64))
+    return g.op("CumSum", _cast(g, data, result), axis)
+
+
+def _constant_int(value, op, name):
+    if symbolic_helper._is_constant(value):
+        return symbolic_helper._get_const(value, "i", name)
+    raise SymbolicValueError(
+        f"{op}: argument {name} is computed in the graph (from a dynamic size?), the ONNX export "
+        f"needs it constant: pass a Python int for {name}", value)
+
+
+def _scalar_type(value):
+    return torch.onnx.JitScalarType.from_value(value)
+
+
+def _cast(g, value, scalar_type):
+    if _scalar_type(value).dtype() == scalar_type:
+        return value
+    return g.op("Cast", value, to_i=torch.onnx.JitScalarType.from_dtype(scalar_type).onnx_type())
+
+
+@symbolic_helper.parse_args("v", "v", "v", "v", "f", "b", "v", "b")
+def _attention(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch's sdpa symbolic, with its dropout in training mode and a boolean mask turned into
+    the dtype's lowest finite value instead of -inf.
+
+    Dropout: torch's symbolic emits Dropout(weights, ratio) without a training_mode input, a
+    Dropout that drops nothing, although sdpa drops whenever dropout_p > 0; ORT's DropoutGrad
+    would still divide by 1 - ratio (gradients through the attention weights 1/(1-p) too large).
+
+    Why: with -inf, a query row that may attend to no key (left padding in a causal LM) comes
+    out of Softmax as NaN; torch's symbolic zeroes that output, but ORT's Softmax gradient still
+    multiplies by the NaN and every gradient turns NaN. With the lowest finite value masked
+    keys still get exactly 0 weight (exp underflows), such a row gets finite weights, and its
+    output is zeroed by "does the row allow any key", as torch's own sdpa does.
+    """
+    attention = symbolic_opset14.scaled_dot_product_attention
+    if (symbolic_helper._is_none(attn_mask)
+            or torch.onnx.JitScalarType.from_value(attn_mask) != torch.onnx.JitScalarType.BOOL):
+        return _dropping(g, attention(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa))
+    dtype = torch.onnx.JitScalarType.from_value(query)
+    allowed, masked = (g.op("Constant", value_t=torch.tensor([number], dtype=dtype.dtype()))
+                       for number in (0.0, torch.finfo(dtype.dtype()).min))
+    output = _dropping(g, attention(g, query, key, value, g.op("Where", attn_mask, allowed, masked), dropout_p,
+                                    is_causal, scale, enable_gqa))
+    mask = g.op("Cast", attn_mask, to_i=dtype.onnx_type())
+    row_allows_a_key = g.op("ReduceMax", mask, axes_i=[-1], keepdims_i=1)  # axes attribute: opsets 14-17
+    return g.op("Mul", output, row_allows_a_key)
+
+
+def _dropping(g, output):
+    """`output` (sdpa's final MatMul) with the Dropout before it, if any, given training_mode=True."""
+    dropout = output.node().inputsAt(0).node()
+    if dropout.kind() == "onnx::Dropout" and dropout.inputsSize() == 2:
+        training_mode = g.op("Constant", value_t=torch.tensor(True))
+        training_mode.node().moveBefore(dropout)
+        dropout.addInput(training_mode)
+    return output
+
+
+def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+    """torch's embedding symbolic (a Gather), marked when a training export has a padding_idx.
+
+    Why: torch gives row padding_idx no gradient from the lookup, ONNX's Gather has no such
+    argument (torch's symbolic only warns). The marker `ort_trainer::PaddingRows(rows, indices,
+    padding_idx)` tells `_graph.fixes` which rows to keep out of the gradient.
+    """
+    rows = g.op("Gather", weight, indices)
+    padding_idx = symbolic_helper._maybe_get_const(padding_idx, "i")
+    if symbolic_helper._maybe_get_const(scale_grad_by_freq, "b") and GLOBALS.export_training:
+        raise SymbolicValueError("embedding with scale_grad_by_freq=True cannot be trained in ONNX Runtime "
+                                 "(its gradient is not scaled by frequency there): set scale_grad_by_freq=False",
+                                 weight)
+    if not isinstance(padding_idx, int) or padding_idx < 0 or not GLOBALS.export_training:
+        return rows
+    marked = g.op(f"{MARKER_DOMAIN}::PaddingRows", rows, indices, padding_idx_i=padding_idx)
+    marked.setType(rows.type())
+    return marked

@@ -1,0 +1,167 @@
+"""The fixes ONNX Runtime's gradient builders need on an exported forward, for both front ends:
+the optional outputs gradients read, embedding padding rows without gradient, normalizations and
+broadcast inputs rewritten into ops whose gradients exist and are right; and the eval graph's
+training mode turned off."""
+import onnx
+
+from .._export.symbolics import MARKER_DOMAIN
+from .._onnx import computed_from, inferred_tensors, int64_constant, node_attributes, parameters_as_inputs
+from .normalization import decompose_instance_normalization, inference_batch_norm_as_primitives
+
+
+# Nodes whose optional outputs the gradient builder reads, and how many outputs it needs (Dropout's
+# mask, SoftmaxCrossEntropyLoss's log_prob, LayerNormalization's mean and inverse standard deviation
+# at opset 17); the TorchScript exporter emits them with one output.
+_OUTPUTS_THE_GRADIENT_READS = {"Dropout": 2, "SoftmaxCrossEntropyLoss": 2, "LayerNormalization": 3}
+
+
+def weights_as_inputs(model, weights):
+    """The first fixes of an exported forward, for both front ends, in place: the initializers
+    named in `weights` (parameters, buffers) become graph inputs, read from the model's own
+    tensors (no graph holds weights: copies of it stay small), and nodes get the optional outputs
+    their gradients read (`add_second_outputs`). Then `prepare_for_gradient` for a graph with a
+    gradient."""
+    parameters_as_inputs(model, set(weights))
+    add_second_outputs(model)
+
+
+def add_second_outputs(model):
+    """Give Dropout, SoftmaxCrossEntropyLoss and LayerNormalization the optional outputs their
+    gradients read (in place)."""
+    for node in model.graph.node:
+        while 0 < len(node.output) < _OUTPUTS_THE_GRADIENT_READS.get(node.op_type, 0):
+            suffix = "__second_output" if len(node.output) == 1 else f"__output{len(node.output)}"
+            node.output.append(node.output[0] + suffix)
+
+
+def disable_training_mode(model):
+    """Dropout off, BatchNormalization in inference mode (on the running statistics, without the
+    outputs of their update).
+
+    Dropout becomes Identity, which ORT then removes (its training build keeps inference-mode
+    Dropout nodes, each a copy), unless something reads its mask; then it loses its
+    training_mode input."""
+    read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and not read.intersection(node.output[1:]):
+            node.op_type = "Identity"
+            del node.input[1:], node.output[1:], node.attribute[:]
+        elif node.op_type == "Dropout" and len(node.input) > 2:
+            node.input[2] = ""
+        if node.op_type == "BatchNormalization":
+            for attribute in node.attribute:
+                if attribute.name == "training_mode":
+                    attribute.i = 0
+            if not read.intersection(node.output[1:]):  # the running statistics it would update
+                del node.output[1:]
+
+
+def _same_known_shape(dims, other):
+    return dims is not None and dims == other and None not in dims
+
+
+# Inputs whose ONNX Runtime 1.19 gradient is the output-shaped one, not summed over the axes the
+# input was broadcast along: a broadcast input gets a gradient of the wrong shape.
+_GRADIENT_NOT_SUMMED_OVER_BROADCAST = {"Where": (1, 2), "Pow": (0,)}
+
+
+def expand_broadcast_inputs(model, trainable):
+    """Expands the inputs of _GRADIENT_NOT_SUMMED_OVER_BROADCAST that are computed from trainable
+    parameters and broadcast by their node, to the node's output shape, in place.
+
+    Why: a broadcast input there (a [1, H, 1, K] position bias chosen by a Where into [B, H, Q, K]
+    scores; a [1, C] base raised to [N, C] exponents) would get a gradient of the wrong shape;
+    Expand's gradient sums the broadcast axes. Inputs whose shape is known to equal the output's
+    are left alone (no copy), as are inputs without a gradient. Returns the number expanded.
+    """
+    make, nodes, expanded, tensors = onnx.helper.make_node, [], 0, None
+    from_parameters = computed_from(model, trainable)
+    for node in model.graph.node:
+        indices = _GRADIENT_NOT_SUMMED_OVER_BROADCAST.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+        for index in indices:
+            data = node.input[index]
+            if data not in from_parameters:
+                continue
+            if tensors is None:
+                tensors = inferred_tensors(model)
+            output_dims = tensors.get(node.output[0], (None, None))[1]
+            if _same_known_shape(tensors.get(data, (None, None))[1], output_dims):
+                continue
+            p = f"{node.name or node.output[0]}/expanded_input{index}/"
+            if output_dims is not None and all(isinstance(dim, int) for dim in output_dims):
+                nodes += [int64_constant(p + "shape", list(output_dims)),
+                          make("Expand", [data, p + "shape"], [p + "expanded"], name=p + "expanded")]
+                data = p + "expanded"
+            else:  # Expand broadcasts both ways: by each other input's shape in turn
+                for other in (i for i in range(len(node.input)) if i != index):
+                    nodes += [make("Shape", [node.input[other]], [p + f"shape{other}"], name=p + f"shape{other}"),
+                              make("Expand", [data, p + f"shape{other}"], [p + f"by{other}"], name=p + f"by{other}")]
+                    data = p + f"by{other}"
+            node.input[index] = data
+            expanded += 1
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return expanded
+
+
+NO_GRADIENT_SUFFIX = "__no_gradient"
+
+
+def padding_rows_without_gradient(model, trainable):
+    """Rewrites the `ort_trainer::PaddingRows` markers (`_export.symbolics._embedding`), in place.
+
+    torch gives an embedding's row padding_idx no gradient from the lookup. For a trainable
+    weight W, the rows at padding positions are read from `W + NO_GRADIENT_SUFFIX`, a graph input
+    bound to W's memory that the gradient builder does not differentiate:
+    Where(indices == padding_idx, Gather(W__no_gradient, indices), Gather(W, indices)). Other uses
+    of W (a tied output layer) keep their gradient for that row, as in torch. Markers on weights
+    that are not trained (and all markers, with trainable=()) just go away. Returns the aliases
+    added.
+    """
+    make = onnx.helper.make_node
+    producers = {output: node for node in model.graph.node for output in node.output}
+    inputs = {graph_input.name: graph_input for graph_input in model.graph.input}
+    nodes, aliases = [], []
+    for node in model.graph.node:
+        if node.domain != MARKER_DOMAIN:
+            nodes.append(node)
+            continue
+        rows, indices = node.input
+        weight = producers[rows].input[0]
+        if weight not in trainable:
+            nodes.append(make("Identity", [rows], list(node.output), name=node.name))
+            continue
+        alias = weight + NO_GRADIENT_SUFFIX
+        if alias not in aliases:
+            aliases.append(alias)
+            model.graph.input.append(onnx.helper.make_tensor_value_info(
+                alias, inputs[weight].type.tensor_type.elem_type,
+                [dim.dim_value for dim in inputs[weight].type.tensor_type.shape.dim]))
+        p = f"{node.output[0]}/padding_rows/"
+        nodes += [make("Gather", [alias, indices], [p + "rows_without_gradient"]),
+                  make("Cast", [indices], [p + "indices64"], to=onnx.TensorProto.INT64),
+                  int64_constant(p + "padding_idx", node_attributes(node)["padding_idx"]),
+                  int64_constant(p + "last_axis", [-1]),
+                  make("Equal", [p + "indices64", p + "padding_idx"], [p + "is_padding"]),
+                  make("Unsqueeze", [p + "is_padding", p + "last_axis"], [p + "is_padding_row"]),
+                  make("Where", [p + "is_padding_row", p + "rows_without_gradient", rows], list(node.output))]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    imports = [o for o in model.opset_import if o.domain != MARKER_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
+    return aliases
+
+
+def prepare_for_gradient(model, trainable):
+    """The rewrites the gradient builder needs on a forward whose parameters are graph inputs and
+    whose nodes have their optional outputs (add_second_outputs), in place: embedding padding rows
+    without gradient, inference-mode BatchNormalization, InstanceNormalization and broadcast
+    Where/Pow inputs as ops whose ORT gradients exist and are right. Returns the padding-row
+    aliases added (graph inputs to bind to their weights' memory)."""
+    aliases = padding_rows_without_gradient(model, set(trainable))
+    inference_batch_norm_as_primitives(model)
+    decompose_instance_normalization(model)
+    expand_broadcast_inputs(model, trainable)
+    return aliases

@@ -1,0 +1,277 @@
+"""Recomputation, the `graph_transformer` recompute options: forward values the backward reads are
+computed again in the backward instead of being kept from the forward, trading compute for memory,
+as the original ORTTrainer's GeluRecompute, AttentionDropoutRecompute and TransformerLayerRecompute
+transformers did.
+
+Two steps around ONNX Runtime's gradient builder (`_graph.training_graphs.build_graphs`):
+
+1. `Recompute.add_nodes`, on the optimized forward: each recomputed node gets a copy
+   `<node>_recompute` that computes `<output>_recompute` for each output. ORT's gradient builder
+   reads a tensor's `_recompute` version wherever one exists, so the backward no longer reads the
+   forward's, which is freed once the forward is done with it. A Dropout in training mode is
+   recomputed as DropoutGrad(input, mask): its mask applied again, the same values.
+2. `Recompute.schedule`, on the training graph: nothing would stop ONNX Runtime from running a copy
+   as soon as its inputs exist, in the forward, which would keep it as long as the original. Each
+   group of copies (a Gelu, a Dropout, a layer) is moved before the first backward node that reads
+   it and waits, through a PassThrough of its first input together with the output of the backward
+   node before that one, until the backward gets there. The sessions run in PRIORITY_BASED order
+   (`_runtime.session_config`), as the original's did with recomputation.
+
+ONNX Runtime 1.19's own recompute pass (its MemoryOptimizer, `optimization.memory_optimizer_config`)
+does not apply here: it splits forward from backward at a YieldOp, which only ORTModule's graphs
+have; the trainer runs forward and backward as one graph in one run.
+"""
+import warnings
+
+import onnx
+import torch
+
+from .._configuration.options import recomputes
+from .missing_gradient import torch_module
+
+_SUFFIX = "_recompute"
+_MS_DOMAIN = "com.microsoft"
+# What ORT's graph optimizations make of torch's GELU (exact, tanh, with the bias folded in).
+_GELUS = {"Gelu", "BiasGelu", "FastGelu", "QuickGelu"}
+# Left to the forward in a recomputed layer: constants (nothing to save) and random ops (a copy
+# would draw other numbers); their recomputed consumers read the forward's outputs.
+_KEPT = {"Constant", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+         "Bernoulli"}
+
+
+def _is_onnx(node):
+    return node.domain in ("", "ai.onnx")
+
+
+def layer_stack(model):
+    """Qualified name and length of the model's longest nn.ModuleList or nn.Sequential whose children
+    are all of one class (at least two): its transformer layers, or None."""
+    stacks = [(len(module), name) for name, module in model.named_modules()
+              if isinstance(module, torch.nn.ModuleList | torch.nn.Sequential) and len(module) > 1
+              and len({type(child) for child in module}) == 1]
+    if not stacks:
+        return None
+    length, name = max(stacks, key=lambda stack: stack[0])
+    return name, length
+
+
+class Recompute:
+    """What the recompute options ask for, for one model: `from_options` reads them (None: off)."""
+
+    def __init__(self, gelu, attention_dropout, layers):
+        """layers: (stack name, number of its first layers to recompute), or None."""
+        self._gelu, self._attention_dropout, self._layers = gelu, attention_dropout, layers
+
+    @classmethod
+    def from_options(cls, graph_transformer, model):
+        """The Recompute for `options.graph_transformer` and the torch `model`, or None when no
+        recompute option is on.
+
+        Raises:
+            ValueError: transformer_layer_recompute is on and the model has no stack of layers.
+        """
+        if not recomputes(graph_transformer):
+            return None
+        layers = None
+        if graph_transformer.transformer_layer_recompute:
+            stack = layer_stack(model)
+            if stack is None:
+                raise ValueError(
+                    "Invalid options: graph_transformer.transformer_layer_recompute=True, but the model has no stack "
+                    "of layers to recompute (an nn.ModuleList or nn.Sequential of at least 2 modules of one class)")
+            name, length = stack
+            count = graph_transformer.number_recompute_layers or length - 1
+            if count > length - 1:
+                warnings.warn(f"graph_transformer.number_recompute_layers={count}: {name} has {length} layers and "
+                              f"the last one is never recomputed; recomputing the first {length - 1}")
+                count = length - 1
+            layers = (name, count)
+        return cls(graph_transformer.gelu_recompute, graph_transformer.attn_dropout_recompute, layers)
+
+    # ------------------------------------------------------------------ before the gradient
+    def add_nodes(self, serialized):
+        """(the optimized forward (bytes) with the recompute copies added, as bytes; the plan
+        `schedule` needs: the forward's node names and the copies' names, group by group)."""
+        model = onnx.load_from_string(serialized)
+        nodes = list(model.graph.node)
+        forward = {node.name for node in nodes}
+        producers = {output: node for node in nodes for output in node.output if output}
+        constants = _constants(model)
+        modes = {id(node): _dropout_mode(node, constants) for node in nodes
+                 if node.op_type == "Dropout" and _is_onnx(node)}
+        groups = (self._layer_groups(nodes, producers, modes, {o.name for o in model.graph.output})
+                  if self._layers else [])
+        taken = {id(node) for group in groups for node in group}
+        found = {"gelu_recompute": 0, "attn_dropout_recompute": 0}
+        for node in nodes:
+            if self._gelu and node.domain == _MS_DOMAIN and node.op_type in _GELUS:
+                kind = "gelu_recompute"
+            elif (self._attention_dropout and modes.get(id(node)) is not None
+                  and getattr(producers.get(node.input[0]), "op_type", None) == "Softmax"):
+                kind = "attn_dropout_recompute"
+            else:
+                continue
+            found[kind] += 1
+            if id(node) not in taken:
+                groups.append([node])
+        for kind, asked, what in (("gelu_recompute", self._gelu, "Gelu"),
+                                  ("attn_dropout_recompute", self._attention_dropout, "Dropout after a Softmax")):
+            if asked and not found[kind]:
+                warnings.warn(f"graph_transformer.{kind}=True: the model has no {what}, nothing to recompute")
+        copies = [_copies(group, modes) for group in groups]
+        for group in copies:
+            model.graph.node.extend(group)
+        return model.SerializeToString(), (forward, [{copy.name for copy in group} for group in copies])
+
+    def _layer_groups(self, nodes, producers, modes, graph_outputs):
+        """The nodes of each recomputed layer, in graph order (the graph is topologically sorted).
+
+        A node belongs to layer i of the stack when the exporter named it inside module
+        `<stack>.<i>`; a node ORT's optimizations renamed ('Gelu_token_3') to the layer all the
+        nodes it reads from belong to. A layer's outputs (what later layers and the loss read) are
+        not recomputed: the next layer's backward reads them anyway, and copies of them would have
+        to run as soon as that backward starts.
+        """
+        stack, count = self._layers
+        layer_of = {}
+        for node in nodes:
+            layer = _scope_layer(torch_module(node.name), stack)
+            if layer is None:
+                sources = {layer_of.get(id(producers[name])) for name in node.input if name in producers}
+                layer = sources.pop() if len(sources) == 1 else None
+            if layer is not None:
+                layer_of[id(node)] = layer
+        read_by = {name: {None} for name in graph_outputs}  # layer of each reader (None: outside the stack)
+        for node in nodes:
+            for name in node.input:
+                read_by.setdefault(name, set()).add(layer_of.get(id(node)))
+
+        def recomputed(node, layer):
+            return (layer_of.get(id(node)) == layer and node.op_type not in _KEPT
+                    and modes.get(id(node), False) is not None
+                    and all(read_by.get(output, set()) <= {layer} for output in node.output if output))
+
+        groups = [[node for node in nodes if recomputed(node, layer)] for layer in range(count)]
+        return [group for group in groups if group]
+
+    # ------------------------------------------------------------------ after the gradient
+    @staticmethod
+    def schedule(training, plan):
+        """Moves each group of copies (`plan`, from `add_nodes`) before its first backward reader
+        and makes it wait for the backward node before that one (in place); copies nothing reads
+        are dropped."""
+        forward, groups = plan
+        copies = {name for group in groups for name in group}
+        _drop_unread(training, copies)
+        nodes = list(training.graph.node)
+        readers = {}
+        for index, node in enumerate(nodes):
+            for name in node.input:
+                readers.setdefault(name, []).append(index)
+        is_backward = [node.name not in forward and node.name not in copies for node in nodes]
+        moves = {}  # index of the first backward reader -> nodes to put before it
+        moved = set()
+        for group in groups:
+            members = [node for node in nodes if node.name in group]
+            if not members:
+                continue
+            outputs = {output for node in members for output in node.output}
+            first = min((index for output in outputs for index in readers.get(output, ())
+                         if is_backward[index]), default=None)
+            if first is None:
+                continue
+            # the group waits for the backward node just before its first reader (which cannot read the group)
+            previous = max((index for index in range(first) if is_backward[index]), default=None)
+            if previous is None:
+                continue
+            moves.setdefault(first, []).extend(_delayed(members, outputs, nodes[previous].output[0]))
+            moved.update(id(node) for node in members)
+        ordered = []
+        for index, node in enumerate(nodes):
+            ordered.extend(moves.get(index, ()))
+            if id(node) not in moved:
+                ordered.append(node)
+        del training.graph.node[:]
+        training.graph.node.extend(ordered)
+        if moves and not any(o.domain == _MS_DOMAIN for o in training.opset_import):
+            training.opset_import.append(onnx.helper.make_opsetid(_MS_DOMAIN, 1))
+
+
+def _scope_layer(module, stack):
+    """The index of the layer of `stack` that `module` (a qualified module name) lies in, or None."""
+    if module is None or not module.startswith(stack + "."):
+        return None
+    child = module[len(stack) + 1:].split(".")[0]
+    return int(child) if child.isdigit() else None
+
+
+def _recomputed(name):
+    return name + _SUFFIX if name else name
+
+
+def _constants(model):
+    """{name: NumPy value} of the model's initializers and Constant nodes."""
+    values = {initializer.name: onnx.numpy_helper.to_array(initializer) for initializer in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            values[node.output[0]] = onnx.numpy_helper.to_array(node.attribute[0].t)
+    return values
+
+
+def _dropout_mode(node, constants):
+    """True for a Dropout in training mode (a random mask), False in inference mode (the identity),
+    None when its training_mode is computed at run time (then it is not recomputed)."""
+    if len(node.input) < 3 or not node.input[2]:
+        return False
+    value = constants.get(node.input[2])
+    return None if value is None else bool(value)
+
+
+def _copies(group, modes):
+    """The recompute copies of a group of forward nodes (in order): each reads the copies' outputs
+    where the group computes an input, the forward's tensors elsewhere. `modes`: `_dropout_mode`
+    of each Dropout (by id)."""
+    inside = {output for node in group for output in node.output if output}
+    copies = []
+    for node in group:
+        inputs = [_recomputed(name) if name in inside else name for name in node.input]
+        name = _recomputed(node.name or node.output[0])
+        if modes.get(id(node)):
+            # DropoutGrad(x, mask, ratio) = x * mask / (1 - ratio): the forward's mask again. (It
+            # scales whatever its training_mode, so an inference-mode Dropout is copied as it is.)
+            copies.append(onnx.helper.make_node("DropoutGrad", [inputs[0], node.output[1], *node.input[1:]],
+                                                [_recomputed(node.output[0])], name=name, domain=_MS_DOMAIN))
+            continue
+        copy = onnx.helper.make_node(node.op_type, inputs, [_recomputed(output) for output in node.output],
+                                     name=name, domain=node.domain)
+        copy.attribute.extend(node.attribute)
+        copies.append(copy)
+    return copies
+
+
+def _drop_unread(model, names):
+    """Removes the nodes named in `names` whose outputs nothing reads (in place, until none is left)."""
+    while True:
+        read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+        kept = [node for node in model.graph.node
+                if node.name not in names or any(output in read for output in node.output if output)]
+        if len(kept) == len(model.graph.node):
+            return
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+
+
+def _delayed(members, outputs, gradient):
+    """`members` (one group's copies, in order), each copy that reads no other copy reading its first
+    input through a PassThrough that also takes `gradient`, so that it cannot start before it."""
+    nodes = []
+    for node in members:
+        first = next((index for index, name in enumerate(node.input) if name), None)
+        if first is not None and not outputs.intersection(node.input):
+            nodes.append(onnx.helper.make_node(
+                "PassThrough", [node.input[first], gradient],
+                [f"{node.name}/waits_for_gradient", f"{node.name}/gradient"], name=f"{node.name}/wait",
+                domain=_MS_DOMAIN))
+            node.input[first] = f"{node.name}/waits_for_gradient"
+        nodes.append(node)
+    return nodes

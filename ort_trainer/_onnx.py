@@ -1,0 +1,99 @@
+"""ONNX model helpers that every stage uses: attributes, opsets and constants, initializers made
+inputs or renamed, shape inference, which tensors a graph computes from which, and the quiet
+SessionOptions ONNX Runtime's graph tools and our sessions start from."""
+import onnx
+from onnxruntime import SessionOptions
+
+_QUIET = 3  # ORT severity: errors only
+
+
+def quiet_session_options():
+    """SessionOptions that log errors only (ORT's gradient builder logs its progress at INFO)."""
+    options = SessionOptions()
+    options.log_severity_level = _QUIET
+    return options
+
+
+def used_parameters(model):
+    """Names of the initializers and graph inputs of `model`: what it may read as a parameter."""
+    return {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
+
+
+def parameters_as_inputs(model, parameter_names):
+    """Parameters become graph inputs so both graphs read them from the flat buffer."""
+    kept = []
+    for initializer in model.graph.initializer:
+        if initializer.name in parameter_names:
+            model.graph.input.append(onnx.helper.make_tensor_value_info(
+                initializer.name, initializer.data_type, initializer.dims))
+        else:
+            kept.append(initializer)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def rename_initializers(model, renamed):
+    """Renames initializers ({old: new}) and every read of them, subgraphs included (in place)."""
+    for output in model.graph.output:
+        if output.name in renamed:
+            raise ValueError(f"ONNX model: initializer {output.name!r} is also a graph output; add an Identity node")
+    for initializer in model.graph.initializer:
+        initializer.name = renamed.get(initializer.name, initializer.name)
+    _rename_reads(model.graph, renamed)
+
+
+def _rename_reads(graph, renamed):
+    for node in graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _rename_reads(attribute.g, renamed)
+            for subgraph in attribute.graphs:
+                _rename_reads(subgraph, renamed)
+
+
+def node_attributes(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def onnx_opset(model):
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def int64_constant(name, value):
+    """A Constant node (named as its output): an int64 scalar, or a 1-D tensor for a list."""
+    values = value if isinstance(value, list) else [value]
+    dims = [len(values)] if isinstance(value, list) else []
+    return onnx.helper.make_node("Constant", [], [name], name=name, value=onnx.helper.make_tensor(
+        name, onnx.TensorProto.INT64, dims, values))
+
+
+def inferred_tensors(model):
+    """{tensor name: (element type, dims)} by ONNX shape inference; a dim is its size, its symbolic
+    name, or None when unknown."""
+    graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+    tensors = {}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        tensor_type = value.type.tensor_type
+        dims = (tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in tensor_type.shape.dim)
+                if tensor_type.HasField("shape") else None)
+        tensors[value.name] = (tensor_type.elem_type, dims)
+    return tensors
+
+
+def computed_from(model, sources):
+    """Names of the tensors computed (transitively) from `sources`, those included."""
+    reached = set(sources)
+    for node in model.graph.node:  # topologically sorted
+        if reached.intersection(node.input):
+            reached.update(node.output)
+    return reached
+
+
+def needed_for(model, targets):
+    """Names of the tensors `targets` are computed from, themselves included."""
+    needed = set(targets)
+    for node in reversed(model.graph.node):
+        if needed.intersection(node.output):
+            needed.update(node.input)
+    return needed

@@ -1,0 +1,211 @@
+"""Flat-buffer optimizers: SGD, Adam and Lamb over one contiguous fp32 parameter buffer.
+
+Every trainable parameter lives in one flat buffer ``params``, its gradient at the same offset in
+``grads`` (``_optimizers.flat.FlatLayout``). An optimizer validates its hyperparameters, holds the
+algorithm's state (flat arrays in the same layout) and counts updates; the update itself is one
+call to the functional step of the implementation its device names: ``_optimizers.cpu`` ('cpu',
+NumPy buffers) or ``_optimizers.cuda`` ('cuda', CuPy buffers). Both follow the same contract
+(DESIGN.md, "Optimizers") and match the references of ``_optimizers.reference``.
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import cpu, cuda
+from .flat import FlatLayout
+
+
+def implementation_of(device: str, where: str):
+    """(module of functional steps, array module of its buffers) for ``device``."""
+    if device == "cpu":
+        return cpu, np
+    if device == "cuda":
+        return cuda, cuda.require_cupy()
+    raise ValueError(f"{where}: device must be 'cpu' or 'cuda', got {device!r}")
+
+
+def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, device: str = "cpu", buffers=None):
+    """(S, N): the divisor that unscales and clips the gradients at once, and their global norm.
+
+    ``_optimizers.reference.clip_divisor_from_norm`` on N = ||grads||_2. Python floats on the CPU;
+    on CUDA 0-d device arrays (no host sync), S ready to pass to ``FlatOptimizer.step``, written
+    into ``buffers`` (``_optimizers.cuda.clip_buffers``) when given: the next call overwrites them.
+    """
+    implementation = implementation_of(device, "clip_divisor")[0]
+    if device == "cpu":
+        return implementation.clip_divisor(grads, max_norm, loss_scale)
+    return implementation.clip_divisor(grads, max_norm, loss_scale, **(buffers or {}))
+
+
+class FlatOptimizer:
+    """Holds the flat state of one algorithm and applies its update.
+
+    Args:
+        layout: where tensors and param groups sit in the flat buffers; each group's ``hyper``
+            must hold exactly the algorithm's ``hyper_names``.
+        device: 'cpu' or 'cuda' (the current CUDA device). The buffers given to ``step`` must be
+            flat float32 arrays of the layout's size: NumPy on the CPU, CuPy on CUDA.
+    """
+
+    config_name: str  # the original's optimizer name, as in the configs
+    family: str  # names the algorithm's layout table and step in each implementation
+    state_names: tuple[str, ...]
+    hyper_names: frozenset[str]
+
+    def __init__(self, layout: FlatLayout, device: str = "cpu"):
+        implementation, xp = implementation_of(device, type(self).__name__)
+        for index, group in enumerate(layout.groups):
+            missing = sorted(self.hyper_names - group.hyper.keys())
+            unexpected = sorted(group.hyper.keys() - self.hyper_names)
+            if missing or unexpected:
+                raise ValueError(
+                    f"{self.config_name}: param group {index} must have exactly the "
+                    f"hyperparameters {sorted(self.hyper_names)}; missing {missing}, "
+                    f"unexpected {unexpected}")
+        for index, group in enumerate(layout.groups):
+            self._check_group(index, group.hyper)
+        self.layout = layout
+        self.device = device
+        self.implementation = implementation
+        self._xp = xp
+        self.state = {name: xp.zeros(layout.size, dtype=xp.float32) for name in self.state_names}
+        self.step_count = 0
+        self._table = implementation.layout_table(layout, self.family)
+
+    def _check_group(self, index: int, hyper: Mapping) -> None:
+        """Rejects hyperparameter values the algorithm cannot run (names are checked already)."""
+
+    def step(self, params, grads, lr: float, grad_divisor=1.0) -> None:
+        """In place: g = grads / grad_divisor, then the update. grads are not modified.
+
+        ``grad_divisor`` is a number or, on CUDA, ``clip_divisor``'s S (read on the device).
+        """
+        self._check_buffer("params", params)
+        self._check_buffer("grads", grads)
+        self._step(params, grads, float(lr), grad_divisor)
+        self.step_count += 1
+
+    def _step(self, params, grads, lr, grad_divisor):
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """A snapshot: {'step_count': int, 'state': {name: copy of the flat array}}."""
+        return {"step_count": self.step_count,
+                "state": {name: array.copy() for name, array in self.state.items()}}
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Restores a ``state_dict()``: validates everything first, so a bad one changes nothing."""
+        prefix = f"{self.config_name}.load_state_dict"
+        if not isinstance(state_dict, Mapping) or set(state_dict) != {"step_count", "state"}:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)
+            raise ValueError(f"{prefix}: expected keys ['state', 'step_count'], got {keys}")
+        step_count = state_dict["step_count"]
+        if (not isinstance(step_count, numbers.Integral) or isinstance(step_count, bool)
+                or step_count < 0):
+            raise ValueError(f"{prefix}: 'step_count' must be an int >= 0, got {step_count!r}")
+        state = state_dict["state"]
+        if not isinstance(state, Mapping) or set(state) != set(self.state_names):
+            keys = sorted(state) if isinstance(state, Mapping) else type(state)
+            raise ValueError(
+                f"{prefix}: 'state' must have exactly the keys {sorted(self.state_names)}, "
+                f"got {keys}")
+        expected = f"float32 array of shape ({self.layout.size},)"
+        for name in self.state_names:
+            value = state[name]
+            shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+            if shape != (self.layout.size,) or dtype != np.float32:
+                got = f"{dtype} array of shape {shape}" if shape is not None else type(value)
+                raise ValueError(f"{prefix}: state['{name}'] must be a {expected}, got {got}")
+        for name in self.state_names:
+            self._xp.copyto(self.state[name], self._xp.asarray(state[name]))
+        self.step_count = int(step_count)
+
+    def _check_buffer(self, name, array):
+        if (not isinstance(array, self._xp.ndarray) or array.dtype != np.float32
+                or array.shape != (self.layout.size,) or not array.flags.c_contiguous):
+            description = (f"{type(array).__module__}.{type(array).__name__} {array.dtype} "
+                           f"{array.shape}" if hasattr(array, "shape") else repr(type(array)))
+            raise ValueError(
+                f"{type(self).__name__}.step: {name} must be a contiguous "
+                f"{self._xp.__name__}.float32 array of shape ({self.layout.size},), "
+                f"got {description}")
+
+
+class SGD(FlatOptimizer):
+    """torch.optim.SGD (momentum, dampening, nesterov, L2 weight decay ``lambda_coef``).
+
+    The original SGDOptimizer is the case momentum = lambda_coef = 0.
+    """
+
+    config_name = "SGDOptimizer"
+    family = "sgd"
+    state_names = ("momentum",)
+    hyper_names = frozenset({"momentum", "nesterov", "lambda_coef", "dampening"})
+
+    def _step(self, params, grads, lr, grad_divisor):
+        self.implementation.sgd_step(self._table, params, grads, self.state["momentum"], lr=lr,
+                                      grad_divisor=grad_divisor, first_step=self.step_count == 0)
+
+
+class Adam(FlatOptimizer):
+    """The original AdamOptimizer (see ``_optimizers.reference.adam_reference``)."""
+
+    config_name = "AdamOptimizer"
+    family = "adam"
+    state_names = ("exp_avg", "exp_avg_sq")
+    hyper_names = frozenset({"alpha", "beta", "lambda_coef", "epsilon", "do_bias_correction",
+                             "weight_decay_mode"})
+
+    def _check_group(self, index, hyper):
+        if hyper["weight_decay_mode"] not in (0, 1):
+            raise ValueError(
+                f"{self.config_name}: param group {index}: weight_decay_mode must be 0 or 1, "
+                f"got {hyper['weight_decay_mode']!r}")
+
+    def _step(self, params, grads, lr, grad_divisor):
+        self.implementation.adam_step(self._table, params, grads, self.state["exp_avg"],
+                                       self.state["exp_avg_sq"], step=self.step_count + 1, lr=lr,
+                                       grad_divisor=grad_divisor)
+
+
+class Lamb(FlatOptimizer):
+    """The original LambOptimizer (see ``_optimizers.reference.lamb_reference``)."""
+
+    config_name = "LambOptimizer"
+    family = "lamb"
+    state_names = ("exp_avg", "exp_avg_sq")
+    hyper_names = frozenset({"alpha", "beta", "lambda_coef", "epsilon", "ratio_min", "ratio_max",
+                             "do_bias_correction"})
+
+    # ZeRO (CPU only): ``_optimizers.cpu.lamb_step``'s segment_sums hook, set by the sharded optimizer.
+    segment_sums = None
+
+    def _step(self, params, grads, lr, grad_divisor):
+        hook = {} if self.segment_sums is None else {"segment_sums": self.segment_sums}
+        self.implementation.lamb_step(self._table, params, grads, self.state["exp_avg"],
+                                       self.state["exp_avg_sq"], step=self.step_count + 1, lr=lr,
+                                       grad_divisor=grad_divisor, **hook)
+
+
+_ALGORITHMS = {cls.config_name: cls for cls in (SGD, Adam, Lamb)}
+
+
+def _algorithm(config_name: str, where: str) -> type[FlatOptimizer]:
+    if config_name not in _ALGORITHMS:
+        raise ValueError(f"{where}: config_name must be one of {sorted(_ALGORITHMS)}, "
+                         f"got {config_name!r}")
+    return _ALGORITHMS[config_name]
+
+
+def make_optimizer(config_name: str, layout: FlatLayout, device: str = "cpu") -> FlatOptimizer:
+    """The flat optimizer for an optimizer config's ``name`` ('SGDOptimizer', ...) on ``device``."""
+    return _algorithm(config_name, "make_optimizer")(layout, device)
+
+
+def state_names(config_name: str) -> tuple[str, ...]:
+    """The names of the flat state arrays of an optimizer config's algorithm (what a checkpoint's
+    optimizer state holds per parameter)."""
+    return _algorithm(config_name, "state_names").state_names

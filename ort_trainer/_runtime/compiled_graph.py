@@ -1,0 +1,144 @@
+"""ORTTrainer's compiled graphs: the training and eval sessions of one input signature, bound to
+the flat parameter and gradient buffers through IOBinding (no per-step copies)."""
+import numpy as np
+import onnxruntime
+import torch
+from onnxruntime.capi import _pybind_state as C
+
+from .._graph.cpu_kernels import target_out_of_range
+from .._graph.fixes import NO_GRADIENT_SUFFIX
+from .memory import TORCH_TO_NUMPY
+from .sessions import seed_random_ops
+
+_ORT_TYPE_TO_TORCH = {
+    "tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32,
+    "tensor(int8)": torch.int8, "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool,
+}
+
+
+class CompiledGraph:
+    """The training and eval sessions for one input signature (sessions built on first use).
+
+    Parameters, gradients, frozen weights and BatchNorm running statistics are bound once per
+    session; each run binds only the caller's inputs (zero copy) and fresh output tensors.
+    """
+
+    def __init__(self, training_graph, eval_graph, sessions, weights, input_names, output_names, *,
+                 model_state=((), ()), batch_statistics=None, draws_random_numbers=False):
+        """training_graph, eval_graph: serialized models. sessions: the placement's `Sessions`.
+        weights: the `WeightBindings` both graphs read (flat parameters, frozen weights, running
+        statistics, constant feeds). model_state: (train/eval flags, attributes) of the model when
+        it was traced (`_export.guards.ModuleState`). batch_statistics: the
+        `_graph.batch_norm.BatchStatistics` the training graph returns after `output_names`; each
+        training run updates the running statistics from them. draws_random_numbers: the training
+        graph has dropout (ONNX Runtime's generator is seeded from torch's before each run)."""
+        self.model_state = model_state
+        self.batch_statistics = batch_statistics
+        statistics = list(batch_statistics.outputs) if batch_statistics is not None else []
+        self._fetched = {True: list(output_names) + statistics, False: list(output_names)}
+        self._graphs = {True: training_graph, False: eval_graph}
+        self._sessions = sessions
+        self._weights = weights
+        self._input_names = input_names
+        self._output_names = output_names
+        self._bound = {}
+        self._first_runs = {True: sessions.first_run(), False: sessions.first_run()}
+        self._grads_bound_to = None
+        self._random = draws_random_numbers
+
+    def _session(self, training):
+        if training not in self._bound:
+            session = self._sessions.create(self._graphs.pop(training))
+            binding = session.io_binding()
+            graph_inputs = {i.name for i in session.get_inputs()}
+            self._weights.bind(binding, graph_inputs, self._sessions.placement)
+            outputs = {o.name: o for o in session.get_outputs()}
+            specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], outputs[name].shape) for name in self._fetched[training]]
+            self._bound[training] = (session, binding, graph_inputs, specs)
+        return self._bound[training]
+
+    def run(self, inputs, *, training, grads=None, quiet=False):
+        """Runs one step on the bound buffers; returns the user outputs as new torch tensors.
+
+        `inputs`: {input name: tensor} (the graph's inputs; other entries are ignored).
+        Training writes the gradients into `grads` (the flat gradient buffer or a scratch buffer
+        of the same layout) and updates the BatchNorm running statistics; eval computes no
+        gradient and changes nothing. `quiet`: ONNX Runtime logs no error of its own (a run whose
+        failure the caller expects and handles, as the proof of a re-derived graph).
+        """
+        placement, first_run = self._sessions.placement, self._first_runs[training]
+        first_run.begin()
+        session, binding, graph_inputs, specs = self._session(training)
+        if training and self._grads_bound_to is not grads:
+            self._weights.bind_gradients(binding, grads, placement)
+            self._grads_bound_to = grads
+        for name in self._input_names:
+            if name in graph_inputs:
+                bind_tensor(binding, name, inputs[name], placement, output=False)
+        outputs = []
+        for name, (dtype, shape) in zip(self._fetched[training], specs):
+            tensor = self._sessions.memory.output_tensor(shape, dtype)
+            bind_tensor(binding, name, tensor, placement, output=True)
+            outputs.append(tensor)
+        if training and self._random:
+            seed_random_ops()
+        try:
+            run_options = self._sessions.quiet_run_options if quiet else self._sessions.run_options
+            session.run_with_iobinding(binding, run_options)
+        except RuntimeError as error:
+            explained = target_out_of_range(error)
+            if explained is None:
+                raise
+            raise explained from error
+        first_run.end()
+        if training and self.batch_statistics is not None:
+            self.batch_statistics.update(outputs)
+        return outputs[:len(self._output_names)]
+
+
+class WeightBindings:
+    """What every session of a trainer reads besides the call's inputs, bound once per session:
+    the flat parameters (and the no-gradient alias of an embedding's padding rows), `read_only`
+    tensors bound as they are ({graph name: tensor}: frozen weights, BatchNorm running
+    statistics), and `feeds` ({graph name: array} updated in place, e.g. the loss scale)."""
+
+    def __init__(self, flat, read_only, feeds=None):
+        self.flat, self.read_only, self.feeds = flat, read_only, feeds or {}
+
+    def bind(self, binding, graph_inputs, placement):
+        flat = self.flat
+        for name in flat.names:
+            for graph_name in (name, name + NO_GRADIENT_SUFFIX):
+                if graph_name in graph_inputs:
+                    bind_array(binding, graph_name, flat.view(flat.params, name), placement, output=False)
+        for name, array in self.feeds.items():
+            if name in graph_inputs:
+                bind_array(binding, name, array, placement, output=False)
+        for name, tensor in self.read_only.items():
+            if name in graph_inputs:
+                bind_tensor(binding, name, tensor, placement, output=False)
+
+    def bind_gradients(self, binding, grads, placement):
+        """Points the gradient outputs at `grads` (a buffer in the flat layout)."""
+        for name in self.flat.names:
+            bind_array(binding, f"{name}_grad", self.flat.view(grads, name), placement, output=True)
+
+
+def bind_array(binding, name, array, placement, *, output):
+    """Binds a NumPy or CuPy array (its memory, in place) as input or output `name`."""
+    pointer = array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
+    bind = binding.bind_output if output else binding.bind_input
+    bind(name, placement.ort_device, placement.index, array.dtype, list(array.shape), pointer)
+
+
+def bind_tensor(binding, name, tensor, placement, *, output):
+    """Binds a torch tensor in place: by pointer, or through DLPack for the dtypes NumPy lacks
+    (bfloat16), which ONNX Runtime's pointer binding cannot name."""
+    dtype = TORCH_TO_NUMPY.get(tensor.dtype)
+    if dtype is not None:
+        bind = binding.bind_output if output else binding.bind_input
+        bind(name, placement.ort_device, placement.index, dtype, list(tensor.shape), tensor.data_ptr())
+        return
+    value = onnxruntime.OrtValue(C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False))  # False: not bool
+    (binding.bind_ortvalue_output if output else binding.bind_ortvalue_input)(name, value)

@@ -1,0 +1,108 @@
+"""ONNX Runtime sessions, created one way for both front ends: the providers (on CUDA, the
+placement's stream, without ONNX Runtime's end-of-run sync), the session and run options as
+`RuntimeSettings` say, the device's memory policy, the provider check, the memory released around
+a session's first run, and ONNX Runtime's generator seeded from torch's."""
+import onnxruntime
+import torch
+from onnxruntime.capi import _pybind_state as C
+
+from .._configuration.validation import CPU_PROVIDER, CUDA_PROVIDER
+from .._onnx import quiet_session_options
+from .cuda import require_cuda_provider
+from .memory import memory_policy
+from .session_config import provider_options_from, session_options_from
+
+
+class Sessions:
+    """Creates the sessions of one placement (`placement`) as `settings` (a RuntimeSettings) say.
+
+    `providers`, `run_options` and `quiet_run_options` (a run whose failure is expected and
+    handled logs nothing), and `memory` (the device's memory policy) are what every session
+    and run of this placement uses."""
+
+    def __init__(self, placement, settings):
+        self.placement = placement
+        self._settings = settings
+        ours = [CPU_PROVIDER]
+        if placement.stream is not None:
+            ours.insert(0, (CUDA_PROVIDER, {
+                "device_id": str(placement.index), "has_user_compute_stream": "1",
+                "user_compute_stream": str(placement.stream.cuda_stream)}))
+        self.providers = provider_options_from(settings, ours)
+        # ORT's end-of-run sync is dropped on CUDA: `Placement.step()` orders the streams instead
+        config = {} if placement.stream is None else {"disable_synchronize_execution_providers": "1"}
+        self.run_options = _run_options(**config)
+        self.quiet_run_options = _run_options(log_severity_level=4, **config)
+        self.memory = memory_policy(placement.torch_device, settings.mem_limit, self.providers)
+
+    def session_options(self):
+        """A new SessionOptions of these settings (the user's own object when they gave one)."""
+        options = quiet_session_options()
+        options.log_severity_level = self._settings.log_severity
+        options.intra_op_num_threads = self._settings.threads
+        options.use_deterministic_compute = self._settings.deterministic
+        # Idle ORT workers block instead of spinning: each step runs torch's clip + optimizer on
+        # the same cores right after the graph, and spinning workers starve them (benchmarks/).
+        entries = {"session.intra_op.allow_spinning": "0", **self.memory.config_entries()}
+        for key, value in entries.items():
+            options.add_session_config_entry(key, value)
+        return session_options_from(self._settings, options, entries)
+
+    def create(self, model, *, optimized_model_path=None):
+        """An InferenceSession of `model` (serialized). A CUDA session ONNX Runtime silently built
+        for the CPU (its CUDA provider library failed to load) would fail later, obscurely, on
+        device pointers: refused here, by name. `optimized_model_path`: where ONNX Runtime writes
+        the graph it runs (debugging)."""
+        options = self.session_options()
+        if optimized_model_path is not None:
+            options.optimized_model_filepath = optimized_model_path
+        session = onnxruntime.InferenceSession(model, options, providers=self.providers)
+        if self.placement.stream is not None:
+            require_cuda_provider(session.get_providers())
+        return session
+
+    def first_run(self):
+        """A new session's `FirstRun`."""
+        return FirstRun(self.memory)
+
+
+class FirstRun:
+    """A session's first run allocates tensor by tensor (ONNX Runtime records its memory pattern),
+    later ones take one planned block: the device's cached memory is released before the first run
+    (`begin`: it runs on the memory in use, not on another session's free block) and after it
+    (`end`: the process holds one of the two). No-ops once the first run has ended."""
+
+    def __init__(self, memory):
+        self._memory, self.pending = memory, True
+
+    def begin(self):
+        if self.pending:
+            self._memory.release_cached_memory()
+
+    def end(self):
+        if self.pending:
+            self._memory.release_cached_memory()
+            self.pending = False
+
+
+def seed_random_ops():
+    """Seeds ONNX Runtime's generator from torch's before a run that draws random numbers (dropout).
+
+    Why: ORT's CPU Dropout seeds a minstd engine with its generator's next seed, one more per
+    call, from the process seed, which torch.manual_seed(s) also sets: seeds 0 and 1 give that
+    engine the same state, so the first two dropout calls after manual_seed(0) shared a mask.
+    A fresh seed from torch's generator per run gives every run masks of its own, reproducible
+    under torch.manual_seed, as torch's dropout is."""
+    C.set_seed(int(torch.randint(1, _SEEDS, ())))
+
+
+_SEEDS = 2**31 - 2**16  # minstd's modulus is 2**31 - 1; a run's nodes take the seeds after its own
+
+
+def _run_options(log_severity_level=None, **config):
+    options = onnxruntime.RunOptions()
+    if log_severity_level is not None:
+        options.log_severity_level = log_severity_level
+    for key, value in config.items():
+        options.add_run_config_entry(key, value)
+    return options
