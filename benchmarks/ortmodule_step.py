@@ -64,14 +64,8 @@ class ORTModuleLossEngine(TorchEngine):
         super().__init__(ntokens, args)
         self.model = ORTModule(WithLoss(self.model, self.loss_fn))
 
-    def train_step(self, data, targets):
-        self.model.train()
-        self.optimizer.zero_grad()
-        loss = self.model(data, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        return loss.item()
+    def loss(self, data, targets):
+        return self.model(data, targets)
 
 
 def parse_args(argv=None):
@@ -112,7 +106,7 @@ def main(argv=None):
     cpu_median = {name: statistics.median(values) for name, values in cpu.items()}
     result = {"environment": environment(args),
               "config": {"ntokens": ntokens, "bptt": args.bptt, "batch": args.batch, "threads": args.threads,
-                         "dropout": args.dropout, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup},
+                         "mixed_precision": args.mixed_precision, "dropout": args.dropout, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup},
               "first_step_loss": first_loss, "median_ms": median, "min_ms": minimum, "cpu_median_ms": cpu_median,
               "per_round_ms": wall,
               "speedup_over_eager": {name: median["eager"] / median[name] for name in ENGINES},

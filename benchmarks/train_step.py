@@ -3,6 +3,7 @@
     python benchmarks/train_step.py                          # vocab 28,782, synthetic tokens
     python benchmarks/train_step.py --data /path/valid.txt   # real text (vocab of its 90% split)
     python benchmarks/train_step.py --measure-memory --json out.json
+    python benchmarks/train_step.py --mixed-precision        # fp16: torch.autocast + GradScaler vs ORT's
 
 One process, the same thread count for both engines (``torch.set_num_threads(N)``; ORTTrainer
 gives ONNX Runtime the same number of intra-op threads). Warmup, then ``--rounds`` interleaved
@@ -66,6 +67,8 @@ def add_seed_step_arguments(p):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=10, help="steps per engine per round")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed-precision", choices=["float16", "bfloat16"], nargs="?", const="float16",
+                   help="torch (ORTModule too): autocast (+ GradScaler for fp16); ORTTrainer: mixed_precision")
 
 
 def parse_args(argv=None):
@@ -120,20 +123,30 @@ class TorchEngine:
         self.loss_fn = make_loss_fn(ntokens)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         self.clip = args.clip
+        dtype = getattr(torch, args.mixed_precision or "float32")
+        self.autocast = dict(device_type="cpu", dtype=dtype, enabled=args.mixed_precision is not None)
+        self.scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
 
     def train_step(self, data, targets):
         self.model.train()
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model(data), targets)
-        loss.backward()
+        with torch.autocast(**self.autocast):
+            loss = self.loss(data, targets)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         return loss.item()
+
+    def loss(self, data, targets):
+        return self.loss_fn(self.model(data), targets)
 
     @torch.no_grad()
     def eval_step(self, data, targets):
         self.model.eval()
-        return self.loss_fn(self.model(data), targets).item()
+        with torch.autocast(**self.autocast):
+            return self.loss(data, targets).item()
 
 
 class ORTEngine:
@@ -147,7 +160,9 @@ class ORTEngine:
                 "outputs": [("loss", [], True), ("output", ["bptt", "batch_size", ntokens])]}
         self.trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=args.lr, max_norm_clip=args.clip),
                                   loss_fn=make_loss_fn(ntokens),
-                                  options=ORTTrainerOptions({"utils": {"grad_norm_clip": True}}))
+                                  options=ORTTrainerOptions({"utils": {"grad_norm_clip": True}, "mixed_precision": (
+                                      {"enabled": True, "dtype": args.mixed_precision} if args.mixed_precision
+                                      else {})}))
         if args.fetch == "loss":
             self.trainer.train_step_info.fetches = ["loss"]
 
@@ -357,6 +372,7 @@ def main(argv=None):
     first = {engine.name: engine.train_step(*batches[0]) for engine in engines}
     result = {"environment": environment(args),
               "config": {"ntokens": ntokens, "bptt": args.bptt, "batch": args.batch, "threads": args.threads,
+                         "mixed_precision": args.mixed_precision,
                          "dropout": args.dropout, "rounds": args.rounds, "steps": args.steps,
                          "warmup": args.warmup, "fetch": args.fetch,
                          "data": str(args.data) if args.data else "synthetic"},

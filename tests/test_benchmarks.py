@@ -25,3 +25,29 @@ def test_train_step_benchmark_runs_and_writes_every_measure(tmp_path):
                                     "anon_peak_delta_first_eval_mib", "anon_peak_delta_eval_mib"))
         assert memory["repeats"] == 2
     assert "peak anon, whole run" in done.stdout
+
+
+def test_mixed_precision_benchmark_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/mixed_precision.py", "--device", "cpu", "--models", "seed", "--dtypes",
+         "float32", "float16", "--rounds", "1", "--steps", "2", "--warmup", "2", "--vocab", "40", "--bptt", "5",
+         "--batch", "3", "--no-compile", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert [(r["model"], r["dtype"]) for r in result["results"]] == [("seed", "float32"), ("seed", "float16")]
+    for row in result["results"]:
+        assert set(row["ms_per_step"]) == {"ort", "torch eager"}
+        assert row["ort_vs_eager_worst_relative_loss_difference"] < 1e-3
+
+
+def test_train_step_benchmark_takes_mixed_precision(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
+         "--threads", "1", "--warmup", "1", "--rounds", "1", "--steps", "1", "--no-eval", "--mixed-precision",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["config"]["mixed_precision"] == "float16"

@@ -117,3 +117,21 @@ def test_engines_agree_per_update_with_dropout_off(text, monkeypatch):
         assert a == pytest.approx(b, rel=1e-4), update
     assert ours["learning_rates"] == pytest.approx(reference["learning_rates"], rel=1e-12)
     assert ours["eval"]["loss"] == pytest.approx(reference["eval"]["loss"], rel=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:mixed_precision.dtype='float16' on device 'cpu'")
+def test_mixed_precision_engines_agree_per_update(text):
+    """--mixed-precision: ORTTrainer in fp16 against the PyTorch loop under autocast + GradScaler
+    (clipping after unscale_); both round at the products, not at every same op: 5e-4."""
+    common = ["--train-file", str(text), "--dropout", "0", "--max-steps", "4", "--mixed-precision"] + TINY
+    reference = main(common + ["--engine", "torch"])
+    ours = main(common + ["--engine", "ort"])
+    for update, (a, b) in enumerate(zip(ours["update_losses"], reference["update_losses"])):
+        assert a == pytest.approx(b, rel=5e-4), update
+
+
+def test_mixed_precision_is_refused_for_the_hf_trainer_engines(capsys):
+    with pytest.raises(SystemExit):
+        main(["--engine", "hf-trainer", "--mixed-precision"])
+    assert "--mixed-precision applies to --engine ort and torch; transformers.Trainer has its own" in \
+        capsys.readouterr().err

@@ -37,19 +37,21 @@ def mixed_precision_trainer(scaler):
                       options=ORTTrainerOptions({"mixed_precision": {"enabled": True, "loss_scaler": scaler}}))
 
 
-@pytest.mark.filterwarnings("ignore:mixed_precision.enabled")
+@pytest.mark.filterwarnings("ignore:mixed_precision.dtype='float16' on device 'cpu'")
 def test_loss_scaling_matches_unscaled_training():
+    """Two power-of-two scales round the fp16 gradients alike (a binary scale only shifts the
+    exponent, away from underflow and overflow): unscaled, the two runs train alike."""
     scaled = mixed_precision_trainer(amp.DynamicLossScaler(loss_scale=1024.0))
-    plain = ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=models.mlp_loss)
+    less = mixed_precision_trainer(amp.DynamicLossScaler(loss_scale=16.0))
     for step in range(5):
         batch = models.mlp_batch(step)
-        assert torch.allclose(scaled.train_step(*batch)[0], plain.train_step(*batch)[0], rtol=1e-5)
+        assert torch.allclose(scaled.train_step(*batch)[0], less.train_step(*batch)[0], rtol=1e-6)
         assert scaled.train_step_info.all_finite
-    for (name, p), q in zip(scaled.model.named_parameters(), plain.model.parameters()):
+    for (name, p), q in zip(scaled.model.named_parameters(), less.model.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
 
 
-@pytest.mark.filterwarnings("ignore:mixed_precision.enabled")
+@pytest.mark.filterwarnings("ignore:mixed_precision.dtype='float16' on device 'cpu'")
 @pytest.mark.parametrize("poison", [math.inf, math.nan])
 def test_non_finite_gradients_skip_the_update_and_back_off_the_scale(poison):
     scaler = amp.DynamicLossScaler(loss_scale=2.0 ** 10, up_scale_window=3)

@@ -47,7 +47,7 @@ DEFAULT_OPTIONS = {
         "enable_adasum": False,
     },
     "lr_scheduler": None,
-    "mixed_precision": {"enabled": False, "loss_scaler": None},
+    "mixed_precision": {"enabled": False, "dtype": "float16", "loss_scaler": None},
     "graph_transformer": {
         "attn_dropout_recompute": False, "gelu_recompute": False, "transformer_layer_recompute": False,
         "number_recompute_layers": 0, "allow_layer_norm_mod_precision": False,
@@ -302,7 +302,8 @@ def test_not_yet_supported_lists_every_option_sorted():
     options = {"utils": {"memory_efficient_gradient": True}, "distributed": {"enable_adasum": True},
                "graph_transformer": {"allow_layer_norm_mod_precision": True}}
     message = ("Option(s) not supported yet: distributed.enable_adasum=True (Adasum), "
-               "graph_transformer.allow_layer_norm_mod_precision=True (mixed precision), "
+               "graph_transformer.allow_layer_norm_mod_precision=True (LayerNorm in reduced precision; mixed precision "
+               "keeps it fp32), "
                "utils.memory_efficient_gradient=True (memory-efficient gradient)")
     with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         ORTTrainerOptions(options)

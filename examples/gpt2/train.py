@@ -84,19 +84,25 @@ class TorchEngine:
             self.optimizer, lambda done: linear_warmup_factor(done + 1, total_updates, args.warmup_steps))
         self.micro_steps = 0
         self.last_lr = None
+        dtype = getattr(torch, args.mixed_precision or "float32")  # --mixed-precision: autocast (+ GradScaler)
+        self.autocast = dict(device_type=args.device, dtype=dtype, enabled=args.mixed_precision is not None)
+        self.scaler = torch.amp.GradScaler(args.device, enabled=dtype == torch.float16)
 
     def train_step(self, input_ids):
         """One micro-batch; every ``--gradient-accumulation-steps``-th call also updates."""
-        output = self.model(input_ids=input_ids, labels=input_ids, use_cache=False)
+        with torch.autocast(**self.autocast):
+            output = self.model(input_ids=input_ids, labels=input_ids, use_cache=False)
         # The micro-batch losses are not divided by the accumulation steps: ORTTrainer sums the
         # micro-steps' gradients, and clipping and Adam then see the same sum here.
-        output.loss.backward()
+        self.scaler.scale(output.loss).backward()
         self.micro_steps += 1
         if self.micro_steps % self.args.gradient_accumulation_steps == 0:
+            self.scaler.unscale_(self.optimizer)
             if self.args.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
             self.last_lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         return output.loss.detach()
@@ -107,7 +113,8 @@ class TorchEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            output = self.model(input_ids=input_ids, labels=input_ids, use_cache=False)
+            with torch.autocast(**self.autocast):
+                output = self.model(input_ids=input_ids, labels=input_ids, use_cache=False)
         finally:
             self.model.train(was_training)
         return output.loss, output.logits if self.args.fetch_logits else None
@@ -144,6 +151,7 @@ class ORTEngine:
             "batch": {"gradient_accumulation_steps": args.gradient_accumulation_steps},
             "lr_scheduler": optim.LinearWarmupLRScheduler(total_updates, warmup=args.warmup_steps / total_updates),
             "utils": {"grad_norm_clip": args.max_grad_norm > 0},
+            "mixed_precision": {"enabled": True, "dtype": args.mixed_precision} if args.mixed_precision else {},
         })
         self.trainer = ORTTrainer(model, model_desc, optim_config, loss_fn=None, options=options)
 
@@ -433,6 +441,9 @@ def parse_args(argv=None):
            "ORTTrainer, the PyTorch loop, or transformers.Trainer on ORTModule(model) / on the plain model")
     option("model-name-or-path", help="pretrained GPT-2: a Hugging Face hub name or a local folder "
            "(default: a small GPT-2 from scratch with a BPE tokenizer trained on --train-file)")
+    option("mixed-precision", choices=["float16", "bfloat16"], nargs="?", const="float16",
+           help="matrix products in fp16 (default) or bf16 on fp32 master weights: ORTTrainer's "
+                "mixed_precision, torch.autocast (+ GradScaler for fp16) for --engine torch")
     option("train-file", type=Path, help=f"training text (default: {DEFAULT_DATA})")
     option("eval-file", type=Path, help="evaluation text (default: the last --validation-split-percentage "
            "of the training blocks)")
@@ -467,6 +478,9 @@ def parse_args(argv=None):
     option("quiet", action="store_true", help="no progress bar and no log lines")
     args = p.parse_args(argv)
 
+    if args.mixed_precision and args.engine.startswith("hf-trainer"):
+        p.error("--mixed-precision applies to --engine ort and torch; transformers.Trainer has its own "
+                "(its fp16/bf16 arguments)")
     scratch_flags = [flag for flag in ("n_layer", "n_head", "n_embd") if getattr(args, flag) is not None]
     if args.model_name_or_path and scratch_flags:
         p.error(f"--{scratch_flags[0].replace('_', '-')} applies only to a model from scratch, "

@@ -44,34 +44,44 @@ def make_loss_fn(ntokens):
 
 
 class PyTorchEngine:
-    """The notebook's baseline: eager PyTorch, Adam, ``clip_grad_norm_``."""
+    """The notebook's baseline: eager PyTorch, Adam, ``clip_grad_norm_``; with --mixed-precision,
+    under ``torch.autocast`` with a ``GradScaler`` (fp16)."""
     name = "pytorch"
 
     def __init__(self, model, loss_fn, args):
         self.model, self.loss_fn, self.clip = model, loss_fn, args.clip
         self.optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        dtype = getattr(torch, args.mixed_precision or "float32")
+        self.autocast = dict(device_type=args.device, dtype=dtype, enabled=args.mixed_precision is not None)
+        self.scaler = torch.amp.GradScaler(args.device, enabled=dtype == torch.float16)
 
     def train_step(self, data, targets):
         self.model.train()
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model(data), targets)
-        loss.backward()
+        with torch.autocast(**self.autocast):
+            loss = self.loss_fn(self.model(data), targets)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         return loss
 
     @torch.no_grad()
     def eval_step(self, data, targets):
         self.model.eval()
-        return self.loss_fn(self.model(data), targets)
+        with torch.autocast(**self.autocast):
+            return self.loss_fn(self.model(data), targets)
 
     def save_checkpoint(self, path):
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, path)
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scaler": self.scaler.state_dict()}, path)
 
     def load_checkpoint(self, path):
         state = torch.load(path, map_location=next(self.model.parameters()).device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state.get("scaler", {}))
 
 
 class ORTEngine:
@@ -87,8 +97,10 @@ class ORTEngine:
         ntokens = model.decoder.out_features
         model_desc = {'inputs': [('src', ['bptt', 'batch_size']), ('label', ['bptt_x_batch_size'])],
                       'outputs': [('loss', [], True), ('output', ['bptt', 'batch_size', ntokens])]}
+        mixed_precision = {'enabled': True, 'dtype': args.mixed_precision} if args.mixed_precision else {}
         options = ORTTrainerOptions({'device': {'id': args.device}, 'utils': {'grad_norm_clip': True},
-                                     'distributed': {'deepspeed_zero_optimization': {'stage': args.zero_stage}}})
+                                     'distributed': {'deepspeed_zero_optimization': {'stage': args.zero_stage}},
+                                     'mixed_precision': mixed_precision})
         self.trainer = ORTTrainer(model, model_desc, optim.AdamConfig(lr=args.lr, max_norm_clip=args.clip),
                                   loss_fn=loss_fn, options=options)
         # The loop only uses the loss: not fetching the logits saves their memory and copy.
@@ -198,6 +210,9 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="no progress bar and no per-batch log lines")
     p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0,
                    help="ORTTrainer's deepspeed_zero_optimization.stage under torchrun")
+    p.add_argument("--mixed-precision", choices=["float16", "bfloat16"], nargs="?", const="float16",
+                   help="matrix products in fp16 (default) or bf16 on fp32 master weights: ORTTrainer's "
+                        "mixed_precision, torch.autocast (+ GradScaler for fp16) for --engine pytorch")
     args = p.parse_args(argv)
     if args.max_batches is not None and args.max_batches < 1:
         p.error("--max-batches must be at least 1")

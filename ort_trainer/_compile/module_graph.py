@@ -12,10 +12,12 @@ import os
 import time
 
 import onnx
+import torch
 
 from .._configuration.ortmodule_settings import LogLevel
 from .._export.outputs import output_names
 from .._export.trace import export_training_model, graph_name
+from .._graph.autocast import cast_outputs, lower_precision
 from .._graph.batch_norm import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
@@ -39,13 +41,17 @@ class ModuleGraph:
     """The compiled graph of one input signature (see the module docstring) and how to feed it.
 
     `schema`: the OutputSchema of forward()'s result. `trains`: a graph with a backward (the call
-    needs gradients). `sessions`: the placement's `Sessions`; `settings`: the ORTModule's settings."""
+    needs gradients). `sessions`: the placement's `Sessions`; `settings`: the ORTModule's settings.
+    `compute_dtype`: 'float16' or 'bfloat16' for a call under torch.autocast (`_graph.autocast`:
+    the products in that type, the outputs in the types the model returns under autocast)."""
 
-    def __init__(self, model, binding, values, schema, sessions, settings, needs_grad):
+    def __init__(self, model, binding, values, schema, sessions, settings, needs_grad, *, compute_dtype=None):
         self.schema, self.trains = schema, needs_grad
         started = time.perf_counter()
         outputs = output_names(schema)
-        exported = export_training_model(model, None, binding, outputs, values, settings.opset)
+        device_type = sessions.placement.ort_device
+        with torch.autocast(device_type, enabled=False):  # the graph's own casts follow (`_graph.autocast`)
+            exported = export_training_model(model, None, binding, outputs, values, settings.opset)
         _save(settings, exported, "torch_exported", training=needs_grad)
         self.batch_statistics = BatchStatistics(model)  # training-mode BatchNorms: batch statistics as outputs
         self.batch_statistics.rewrite(exported)
@@ -55,6 +61,11 @@ class ModuleGraph:
         trainable = [name for name in weights if needs_grad and by_graph_name[name] in parameters
                      and parameters[by_graph_name[name]].requires_grad]
         weights_as_inputs(exported, weights)
+        if compute_dtype is not None:
+            lower_precision(exported, compute_dtype, device_type=device_type)
+            lowered = {name: str(dtype).removeprefix("torch.") for name, dtype in zip(outputs, schema.dtypes)
+                       if dtype in (torch.float16, torch.bfloat16)}
+            cast_outputs(exported, lowered)
         aliases = (prepare_for_gradient(exported, trainable) if needs_grad
                    else padding_rows_without_gradient(exported, ()))
         known = set(weights) | set(aliases)
@@ -63,6 +74,7 @@ class ModuleGraph:
         built = build_module_graph(
             exported, weights + aliases, trainable, requiring_grad, outputs, schema.shapes, trains=needs_grad,
             severity=settings.ort_severity, compute_optimizer=settings.compute_optimizer,
+            propagate_casts=compute_dtype is None,
             pre_grad_path=_path(settings, "pre_grad", training=True), log=lambda message: _info(settings, message))
         model_proto = built.model
         self.non_differentiable, self.full_shape_grads = built.non_differentiable, built.full_shape_grads

@@ -21,13 +21,15 @@ _SYNC_BATCH_NORM_REMEDY = ("convert them to BatchNorm: each rank then normalizes
 class StepSettings:
     """What the trainer's options say about its graphs. recompute: a `_graph.recompute.Recompute`
     or None; graph_save_paths: `debug.graph_save_paths`; check_model_export: prove every graph
-    against torch; loss_scaling: the training graph's loss is multiplied by a loss-scale input."""
+    against torch; loss_scaling: the training graph's loss is multiplied by a loss-scale input;
+    compute_dtype: 'float16' or 'bfloat16' for mixed precision (`_graph.autocast`), None: fp32."""
 
     recompute: object = None
     shape_inference: bool = False
     graph_save_paths: object = None
     check_model_export: bool = False
     loss_scaling: bool = False
+    compute_dtype: str = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ class StepCompiler:
     def differs_from_torch(self, graph, values, outputs):
         """None when the eval graph computes what torch's eval-mode forward does on `values`."""
         return eval_graph_differs(graph, self._model, self._loss_fn, self._binding, values, self._desc.output_names,
-                                  outputs)
+                                  outputs, device_type=self._sessions.placement.ort_device,
+                                  compute_dtype=self._settings.compute_dtype)
 
     def _proven_or_none(self, export, values, outputs, weights):
         """The graph re-derived for a new shape, if it builds and its eval graph matches torch's
@@ -113,6 +116,7 @@ class StepCompiler:
         training, evaluation = build_graphs(
             exported, flat.names, [*frozen, *running], outputs, self._desc.output_names[self._desc.loss_index],
             device_type=self._sessions.placement.ort_device, loss_scaling=settings.loss_scaling,
+            compute_dtype=settings.compute_dtype,
             recompute=settings.recompute, shape_inference=settings.shape_inference, batch_statistics=statistics)
         save_graphs(paths, training=training, evaluation=evaluation, session_options=self._sessions.session_options(),
                     providers=self._sessions.providers)

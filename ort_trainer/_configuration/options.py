@@ -4,6 +4,7 @@ import pprint
 
 from .validation import load_schema, validate
 
+_CASTS = "ONNX Runtime's cast propagation; mixed precision places its casts by torch.autocast's op lists"
 # Options that validate but are not implemented yet: path -> feature. Any value other than the
 # default raises NotImplementedError. Remove an entry when its feature lands.
 _NOT_YET_SUPPORTED = {
@@ -16,10 +17,10 @@ _NOT_YET_SUPPORTED = {
     "distributed.pipeline_parallel.sliced_axes": "pipeline parallelism",
     "distributed.pipeline_parallel.sliced_tensor_names": "pipeline parallelism",
     "distributed.enable_adasum": "Adasum",
-    "graph_transformer.allow_layer_norm_mod_precision": "mixed precision",
-    "graph_transformer.propagate_cast_ops_config.strategy": "fp16 cast propagation; the graphs compute in fp32",
-    "graph_transformer.propagate_cast_ops_config.level": "fp16 cast propagation; the graphs compute in fp32",
-    "graph_transformer.propagate_cast_ops_config.allow": "fp16 cast propagation; the graphs compute in fp32",
+    "graph_transformer.allow_layer_norm_mod_precision": "LayerNorm in reduced precision; mixed precision keeps it fp32",
+    "graph_transformer.propagate_cast_ops_config.strategy": _CASTS,
+    "graph_transformer.propagate_cast_ops_config.level": _CASTS,
+    "graph_transformer.propagate_cast_ops_config.allow": _CASTS,
     "utils.invertible_layer_norm_gradient": "invertible LayerNorm gradient",
     "utils.memory_efficient_gradient": "memory-efficient gradient",
     "_internal_use.enable_internal_postprocess": "disabling the internal postprocess",

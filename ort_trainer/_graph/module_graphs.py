@@ -33,11 +33,12 @@ class BuiltModuleGraph:
 
 
 def build_module_graph(exported, initializers, trainable, requiring_grad, outputs, shapes, *, trains, severity,
-                       compute_optimizer, pre_grad_path=None, log=None):
+                       compute_optimizer, propagate_casts=True, pre_grad_path=None, log=None):
     """ORT's ORTModule graph builder on the fixed export. `initializers`: the graph inputs that are
     parameters or buffers; `trainable`, `requiring_grad`: the parameters and call inputs that want a
     gradient; `outputs`: forward()'s output names, `shapes` their torch shapes. `log(message)`
-    hears of a rebuild.
+    hears of a rebuild. `propagate_casts` False: ORT's cast propagation is off (it would move the
+    mixed-precision casts, and on the CPU fold their rounding away: `_graph.autocast`).
 
     An input or parameter the outputs do not depend on differentiably (a parameter only
     compared, `w > 0`) gets no gradient, as in torch (ORT refuses to build with it). ORT's
@@ -48,7 +49,8 @@ def build_module_graph(exported, initializers, trainable, requiring_grad, output
     while True:
         try:
             builder = _builder(exported, initializers, trainable, requiring_grad, outputs, trains=trains,
-                               severity=severity, compute_optimizer=compute_optimizer, pre_grad_path=pre_grad_path)
+                               severity=severity, compute_optimizer=compute_optimizer,
+                               propagate_casts=propagate_casts, pre_grad_path=pre_grad_path)
         except RuntimeError as error:
             unreachable = _UNREACHABLE.search(str(error))
             if unreachable is None or unreachable.group(1) not in trainable + requiring_grad:
@@ -70,7 +72,7 @@ def build_module_graph(exported, initializers, trainable, requiring_grad, output
 
 
 def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trains, severity, compute_optimizer,
-             pre_grad_path):
+             propagate_casts, pre_grad_path):
     config = C.OrtModuleGraphBuilderConfiguration()
     config.initializer_names = initializers
     config.initializer_names_to_train = trainable
@@ -80,6 +82,10 @@ def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trai
     config.loglevel = C.Severity(int(severity))
     transformers = C.TrainingGraphTransformerConfiguration()
     transformers.enable_compute_optimizer = compute_optimizer
+    if not propagate_casts:
+        casts = transformers.propagate_cast_ops_config
+        casts.level = -1
+        transformers.propagate_cast_ops_config = casts
     if pre_grad_path is not None and trains:
         transformers.optimized_pre_grad_filepath = pre_grad_path
     builder = C.OrtModuleGraphBuilder()

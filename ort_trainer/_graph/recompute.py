@@ -96,6 +96,10 @@ class Recompute:
         nodes = list(model.graph.node)
         forward = {node.name for node in nodes}
         producers = {output: node for node in nodes for output in node.output if output}
+        readers = {}
+        for node in nodes:
+            for name in node.input:
+                readers.setdefault(name, []).append(node)
         constants = _constants(model)
         modes = {id(node): _dropout_mode(node, constants) for node in nodes
                  if node.op_type == "Dropout" and _is_onnx(node)}
@@ -113,7 +117,7 @@ class Recompute:
                 continue
             found[kind] += 1
             if id(node) not in taken:
-                groups.append([node])
+                groups.append([node, *_casts_after(node, readers)])
         for kind, asked, what in (("gelu_recompute", self._gelu, "Gelu"),
                                   ("attn_dropout_recompute", self._attention_dropout, "Dropout after a Softmax")):
             if asked and not found[kind]:
@@ -225,6 +229,17 @@ def _dropout_mode(node, constants):
         return False
     value = constants.get(node.input[2])
     return None if value is None else bool(value)
+
+
+def _casts_after(node, readers):
+    """The Casts that read `node`'s output, and the Casts that read theirs (mixed precision's round
+    trips, `_graph.autocast`): recomputed with the node, since the backward reads the last cast."""
+    casts, frontier = [], [node]
+    while frontier:
+        frontier = [reader for source in frontier for output in source.output if output
+                    for reader in readers.get(output, ()) if reader.op_type == "Cast"]
+        casts += frontier
+    return casts
 
 
 def _copies(group, modes):

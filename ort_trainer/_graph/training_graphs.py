@@ -1,11 +1,13 @@
 """ORTTrainer's graphs: the exported forward + loss turned into ONNX Runtime's training graph
 (forward, loss, backward: a gradient output per parameter) and its eval graph."""
 import copy
+import functools
 
 import onnx
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
 from .._onnx import quiet_session_options
+from .autocast import lower_precision
 from .cpu_kernels import kernel_substitutions
 from .fixes import disable_training_mode, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .missing_gradient import missing_gradient
@@ -37,14 +39,21 @@ def _scale_loss(model, loss_name):
     return scaled
 
 
-def _gradient_graph(model, trainable, loss_name, options, recompute=None):
+def _gradient_graph(model, trainable, loss_name, options, *, recompute=None, lower=None):
     """ORT's training graph of `model` (gradients of `loss_name` for `trainable`), as an ONNX model.
     `recompute` (a `_graph.recompute.Recompute`, or None) adds its copies to the optimized forward and
-    schedules them in the training graph.
+    schedules them in the training graph. `lower`: rewrites the optimized forward (an ONNX model, in
+    place) before the gradient is built: the mixed-precision casts, placed after ORT's optimizer so
+    that its cast propagation cannot move them (on the CPU, a cast it moves next to one the CPU
+    provider inserts is folded away, and with it the rounding).
 
     Raises MissingGradientError when an op on the way lacks a gradient, chained to ORT's error.
     """
     optimized = get_optimized_model(model.SerializeToString(), set(trainable), options)
+    if lower is not None:
+        forward = onnx.load_from_string(optimized)
+        lower(forward)
+        optimized = forward.SerializeToString()
     if recompute is not None:
         optimized, plan = recompute.add_nodes(optimized)
     try:
@@ -83,7 +92,7 @@ def symbolic_shapes(model):
 
 
 def build_graphs(model, trainable, read_only, output_names, loss_name, *, device_type=None, loss_scaling=False,
-                 recompute=None, shape_inference=False, batch_statistics=None):
+                 compute_dtype=None, recompute=None, shape_inference=False, batch_statistics=None):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is
@@ -93,9 +102,10 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     neither materializes nor keeps them. `model` (the exported forward) is consumed: modified in
     place. `read_only`: the other weights the graphs read as inputs (frozen parameters, BatchNorm
     running statistics). Both graphs get the kernel substitutions of `device_type`
-    (`kernel_substitutions`). Before the gradient is built, the fixes of `_graph.fixes`; an op
-    without a gradient raises MissingGradientError. `recompute`: a `_graph.recompute.Recompute`
-    (the recompute options), or None. `shape_inference`: run `symbolic_shapes` on the forward
+    (`kernel_substitutions`). `compute_dtype` ('float16', 'bfloat16' or None): both graphs compute
+    their matrix products in it (`_graph.autocast`). Before the gradient is built, the fixes of
+    `_graph.fixes`; an op without a gradient raises MissingGradientError. `recompute`: a
+    `_graph.recompute.Recompute` (the recompute options), or None. `shape_inference`: run `symbolic_shapes` on the forward
     first. `batch_statistics`: a `_graph.batch_norm.BatchStatistics`, or None: its rewrite of the
     training-mode BatchNorms of the training graph, whose statistics outputs follow `output_names`.
     """
@@ -105,12 +115,16 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     eval_model = copy.deepcopy(model)
     disable_training_mode(eval_model)
     padding_rows_without_gradient(eval_model, trainable=())
+    lower = None
+    if compute_dtype is not None:
+        lower = functools.partial(lower_precision, dtype=compute_dtype, device_type=device_type)
+        lower(eval_model)
     if batch_statistics is not None:
         batch_statistics.rewrite(model)
     prepare_for_gradient(model, trainable)
     if loss_scaling:
         loss_name = _scale_loss(model, loss_name)
-    training = _gradient_graph(model, trainable, loss_name, quiet_session_options(), recompute)
+    training = _gradient_graph(model, trainable, loss_name, quiet_session_options(), recompute=recompute, lower=lower)
     substitute = kernel_substitutions(device_type)
     if substitute is not None:
         substitute(training, eval_model)

@@ -25,7 +25,7 @@ from . import checkpoint as _checkpoint
 from . import distributed as _distributed
 from . import legacy_checkpoint as _legacy_checkpoint
 from .inputs import InputChecks
-from .loss_scaling import loss_scaling
+from .mixed_precision import mixed_precision
 from .train_step_info import TrainStepInfo
 from .weights import TrainerWeights
 
@@ -92,7 +92,8 @@ class ORTTrainer:
         self._inputs = InputChecks(desc, self._binding, self._placement.torch_device)
         self._lr_scheduler = options.lr_scheduler
         with self._placement.allocating():
-            self._loss_scaler, self._loss_scale = loss_scaling(options.mixed_precision, self._placement.xp)
+            precision = mixed_precision(options.mixed_precision, self._placement.ort_device, self._placement.xp)
+        self._loss_scaler, self._loss_scale = precision.scaler, precision.scale
         self._graphs = GraphCache(options.utils.max_cached_graphs)
         self._state = ModuleState(model)
         if self._onnx_model is None:
@@ -103,7 +104,7 @@ class ORTTrainer:
         settings = StepSettings(recompute=recompute, shape_inference=options.utils.run_symbolic_shape_infer,
                                 graph_save_paths=options.debug.graph_save_paths,
                                 check_model_export=options.debug.check_model_export,
-                                loss_scaling=self._loss_scaler is not None)
+                                loss_scaling=self._loss_scaler is not None, compute_dtype=precision.compute_dtype)
         self._compiler = StepCompiler(model, loss_fn, self._binding, desc, exports=exports, state=self._state,
                                       sessions=self._sessions, settings=settings)
         self._sample_inputs = None  # the first compiled batch: the export sample of export_onnx/save_as_onnx

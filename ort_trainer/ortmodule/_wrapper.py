@@ -22,6 +22,7 @@ from .._export.binding import BindingError, bind_call
 from .._export.guards import DataDependentTraceError, ModuleState
 from .._export.outputs import OutputSchema
 from .._export.probe import custom_functions, custom_functions_refused, layerdrop_refused, probe_call
+from .._graph.autocast import slower_than_fp32, unsupported
 from .._runtime.placement import Placement
 from .._runtime.sessions import Sessions
 
@@ -213,8 +214,10 @@ class ORTModule(torch.nn.Module):
                 raise layerdrop
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
             sessions = self._sessions_of(values, named)
+            compute_dtype = _compute_dtype(sessions.placement.ort_device)
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
-            return ModuleGraph(model, binding, values, schema, sessions, self._settings, needs_grad)
+            return ModuleGraph(model, binding, values, schema, sessions, self._settings, needs_grad,
+                               compute_dtype=compute_dtype)
         except Exception as error:
             if isinstance(error, DataDependentTraceError):
                 kind = FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
@@ -286,8 +289,25 @@ def _is_model_method(value, model):
             and (code is None or "__class__" not in code.co_freevars))
 
 
+def _compute_dtype(device_type):
+    """The mixed-precision compute type of a call on `device_type` under torch.autocast
+    ('float16', 'bfloat16'), or None outside autocast. Raises NotImplementedError where the
+    device cannot compute in it (the call then runs in PyTorch under the default fallback policy);
+    warns where it is slower than fp32."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+    reason = unsupported(device_type, dtype)
+    if reason is not None:
+        raise NotImplementedError(f"torch.autocast({device_type!r}, {dtype}): {reason}")
+    slower = slower_than_fp32(device_type, dtype)
+    if slower is not None:
+        warnings.warn(f"ORTModule under torch.autocast({device_type!r}, {dtype}): {slower}")
+    return dtype
+
+
 def _autocast():
-    """The autocast state (exports under autocast record its casts)."""
+    """The autocast state: part of a graph's key (a call under autocast computes in its type)."""
     return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
                  if torch.is_autocast_enabled(device))
 

@@ -1,0 +1,190 @@
+"""Mixed precision, side by side in one process: ORTTrainer (`mixed_precision`) against the PyTorch
+loop under `torch.autocast` (+ GradScaler for fp16), eager and `torch.compile`d, and each engine's
+fp32 step. Seed model (examples/wikitext2) and GPT-2 small (124 M parameters, from its config).
+
+    python benchmarks/mixed_precision.py --device cuda                   # the GPU case: both models, fp16 + bf16
+    python benchmarks/mixed_precision.py --device cpu --models seed --dtypes float16 --rounds 3
+
+Per (model, dtype): warmup, then --rounds interleaved rounds of --steps steps per engine (the order
+alternates); reports the median of the per-round ms/step, the ratios against ORTTrainer, and the
+worst relative loss difference of ORTTrainer's first --warmup losses from eager autocast's (same
+init, same batches, dropout 0). CPU peak memory: benchmarks/train_step.py --measure-memory
+--mixed-precision. On the CPU fp16 is emulated (DESIGN.md, "Mixed precision"): slower than fp32
+there, as recorded in BENCHMARKS.md; bf16 is refused on the CPU.
+"""
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.wikitext2.model import TransformerModel  # noqa: E402
+from examples.wikitext2.train import make_loss_fn  # noqa: E402
+from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
+
+
+class Workload:
+    """A model, its batches and how each engine calls it."""
+
+    def __init__(self, name, args):
+        self.name = name
+        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(1)
+        if name == "seed":
+            self.model = TransformerModel(args.vocab, dropout=0.0)
+            data = torch.randint(0, args.vocab, (args.steps, args.bptt + 1, args.batch), generator=generator)
+            self.batches = [((d[:-1],), {"label": d[1:].reshape(-1)}) for d in data]
+            self.loss_fn = make_loss_fn(args.vocab)
+            self.desc = {"inputs": [("src", ["bptt", "batch_size"]), ("label", ["bptt_x_batch_size"])],
+                         "outputs": [("loss", [], True), ("output", ["bptt", "batch_size", args.vocab])]}
+        else:
+            import transformers
+
+            config = transformers.GPT2Config(n_layer=args.gpt2_layers, n_embd=args.gpt2_width, n_head=12,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            self.model = transformers.GPT2LMHeadModel(config)
+            ids = torch.randint(0, config.vocab_size, (args.steps, args.gpt2_batch, args.gpt2_block),
+                                generator=generator)
+            self.batches = [((), {"input_ids": d, "labels": d}) for d in ids]
+            self.loss_fn = None
+            self.desc = {"inputs": [("input_ids", ["batch", "block"]), ("labels", ["batch", "block"])],
+                         "outputs": [("loss", [], True)]}
+
+    def torch_loss(self, model, args, kwargs):
+        if self.loss_fn is None:
+            return model(**kwargs, use_cache=False).loss
+        return self.loss_fn(model(*args), kwargs["label"])
+
+
+def torch_step(workload, model, device, dtype, *, compiled):
+    """The PyTorch loop's step (Adam, clip 1.0) under autocast in `dtype` (None: fp32)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device == "cuda")
+    scaler = torch.amp.GradScaler(device, enabled=dtype == "float16")
+    autocast = dict(device_type=device, dtype=getattr(torch, dtype or "float32"), enabled=dtype is not None)
+
+    def forward_backward(args, kwargs):
+        with torch.autocast(**autocast):
+            loss = workload.torch_loss(model, args, kwargs)
+        scaler.scale(loss).backward()
+        return loss
+
+    forward_backward = torch.compile(forward_backward) if compiled else forward_backward
+
+    def step(args, kwargs):
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(args, kwargs)
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+    return step
+
+
+def ort_step(workload, model, device, dtype):
+    options = {"device": {"id": device}}
+    if dtype is not None:
+        options["mixed_precision"] = {"enabled": True, "dtype": dtype}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "mixed_precision.dtype='float16' on device 'cpu'")
+        trainer = ORTTrainer(model, workload.desc, optim.AdamConfig(lr=1e-4, max_norm_clip=1.0),
+                             loss_fn=workload.loss_fn, options=ORTTrainerOptions(options))
+    trainer.train_step_info.fetches = ["loss"]
+    return lambda args, kwargs: trainer.train_step(*args, *kwargs.values()) if workload.loss_fn else \
+        trainer.train_step(**kwargs)
+
+
+def engines(workload, device, dtype, *, compile_torch):
+    """{engine name: step function}, each on its own copy of the model."""
+    def fresh():
+        return copy.deepcopy(workload.model).to(device).train()
+    steps = {"ort": ort_step(workload, fresh(), device, dtype),
+             "torch eager": torch_step(workload, fresh(), device, dtype, compiled=False)}
+    if compile_torch:
+        steps["torch.compile"] = torch_step(workload, fresh(), device, dtype, compiled=True)
+    return steps
+
+
+def on_device(batch, device):
+    args, kwargs = batch
+    return tuple(t.to(device) for t in args), {k: t.to(device) for k, t in kwargs.items()}
+
+
+def synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(workload, device, dtype, args):
+    """Median ms/step per engine, and ORT's worst relative loss difference from eager autocast."""
+    batches = [on_device(batch, device) for batch in workload.batches]
+    steps = engines(workload, device, dtype, compile_torch=not args.no_compile)
+    losses = {}
+    for name, step in steps.items():  # warmup (compiles), and the losses of the first steps
+        losses[name] = [step(*batch).item() for batch in batches[:args.warmup]]
+    times = {name: [] for name in steps}
+    for round_index in range(args.rounds):
+        order = list(steps) if round_index % 2 == 0 else list(reversed(steps))
+        for name in order:
+            synchronize(device)
+            start = time.perf_counter()
+            for batch in batches:
+                steps[name](*batch)
+            synchronize(device)
+            times[name].append(1000 * (time.perf_counter() - start) / len(batches))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["ort"], losses["torch eager"]))
+    return {name: statistics.median(values) for name, values in times.items()}, worst
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--models", nargs="+", default=["seed", "gpt2"], choices=["seed", "gpt2"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "float16", "bfloat16"],
+                   choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="steps per engine per round")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--vocab", type=int, default=28782)
+    p.add_argument("--bptt", type=int, default=35)
+    p.add_argument("--batch", type=int, default=20)
+    p.add_argument("--gpt2-layers", type=int, default=12)
+    p.add_argument("--gpt2-width", type=int, default=768)
+    p.add_argument("--gpt2-batch", type=int, default=8)
+    p.add_argument("--gpt2-block", type=int, default=512)
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if args.device == "cpu" and "bfloat16" in args.dtypes:
+        p.error("--dtypes bfloat16: ORTTrainer refuses bf16 on the CPU (DESIGN.md, 'Mixed precision')")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    results = []
+    for model_name in args.models:
+        workload = Workload(model_name, args)
+        for dtype in args.dtypes:
+            ms, worst = measure(workload, args.device, None if dtype == "float32" else dtype, args)
+            results.append({"model": model_name, "dtype": dtype, "ms_per_step": ms,
+                            "torch_over_ort": {name: value / ms["ort"] for name, value in ms.items()},
+                            "ort_vs_eager_worst_relative_loss_difference": worst})
+            print(f"{model_name:5s} {dtype:9s} " + " | ".join(f"{name} {value:8.2f} ms" for name, value in ms.items())
+                  + f" | ort vs eager loss {worst:.1e}", flush=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "config": vars(args) | {"json": str(args.json)},
+                                         "results": results}, indent=2) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Mixed precision as torch.autocast computes it: the exported fp32 forward rewritten, before ONNX
+Runtime's gradient builder, so that the matrix products run in fp16 or bf16 and everything else in
+fp32. The weights stay fp32 graph inputs (the flat buffer's master weights); the gradient of a
+Cast is a Cast back, so the gradients come out fp32 too.
+
+Which ops run in the lower precision: those of torch.autocast's "lower precision" lists (CPU and
+CUDA) that the TorchScript exporter emits as one ONNX op: `aten::linear/matmul/mm/bmm/addmm/
+baddbmm` (MatMul, Gemm), `aten::conv*` (Conv) and `aten::conv_transpose*` (ConvTranspose).
+Their fp32 inputs are cast down and their output cast back to fp32, so the next op (softmax,
+layer norm, GELU, residual add, the loss, reductions) computes in fp32, as autocast's fp32 and
+promote lists say. Control-flow subgraphs (If/Loop bodies) are left in fp32.
+
+On the CPU the products are emulated: ONNX Runtime's CPU provider has no fp16 or bf16 matrix
+products and its cast optimizer folds a `Cast(fp16)` followed by the `Cast(float)` it inserts
+around an fp32 kernel, so a real fp16 MatMul would silently compute in fp32. There each input and
+the output round-trip through the lower precision (`Cast(fp16)`, `Cast(float)`, which ONNX Runtime
+keeps) around an fp32 product: the values autocast's fp16 kernels see and return (fp32
+accumulation, as tensor cores and torch's CPU kernels accumulate), gradients included (the
+gradient of each round trip is a round trip), at fp32 speed plus the casts.
+"""
+import onnx
+
+LOWER_PRECISION_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul")
+COMPUTE_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+_FLOAT = onnx.TensorProto.FLOAT
+# Ops whose first output's type is not their first input's (for `_element_types`).
+_TYPE_CHANGING_OPS = {"Shape", "Size", "Cast", "CastLike", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
+                      "Not", "And", "Or", "Xor", "IsNaN", "IsInf", "ArgMax", "ArgMin", "NonZero", "ConstantOfShape",
+                      "EyeLike", "RandomNormalLike", "RandomUniformLike", "Multinomial", "QuantizeLinear",
+                      "DynamicQuantizeLinear"}
+
+
+def lower_precision(model, dtype, *, device_type):
+    """Rewrites `model` (an exported forward, in place): the inputs of each LOWER_PRECISION_OPS
+    node that computes in fp32 are cast to `dtype` ('float16' or 'bfloat16'; one cast per tensor,
+    shared by its consumers), the node computes in `dtype` and its output is cast back to fp32
+    under its old name; on the CPU (`device_type`) as round trips around the fp32 node (see the
+    module docstring). Returns the number of nodes rewritten."""
+    emulated = device_type == "cpu"
+    types = _element_types(model)
+    suffix = f"__{dtype}"
+    lowered = {}  # tensor -> its lower-precision copy (on the CPU: rounded, in fp32)
+    nodes, rewritten = [], 0
+    for node in model.graph.node:
+        if node.op_type not in LOWER_PRECISION_OPS or not _computes_in_fp32(node, types):
+            nodes.append(node)
+            continue
+        for index in (index for index, name in enumerate(node.input) if name):
+            name = node.input[index]
+            if name not in lowered:
+                lowered[name] = f"{name}{suffix}"
+                nodes += _casts(name, lowered[name], dtype, back=emulated)
+            node.input[index] = lowered[name]
+        output = node.output[0]
+        node.output[0] = f"{output}{suffix}"
+        nodes.append(node)
+        nodes += _casts(node.output[0], output, dtype, back=True) if emulated else \
+            [onnx.helper.make_node("Cast", [node.output[0]], [output], to=_FLOAT, name=f"{output}_to_float")]
+        rewritten += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return rewritten
+
+
+def _casts(source, target, dtype, *, back):
+    """`target` = `source` cast to `dtype`; `back`: and cast back to fp32 (a rounding)."""
+    if not back:
+        return [onnx.helper.make_node("Cast", [source], [target], to=COMPUTE_TYPES[dtype], name=f"{target}_cast")]
+    rounded = f"{target}_rounded"
+    return [onnx.helper.make_node("Cast", [source], [rounded], to=COMPUTE_TYPES[dtype], name=f"{rounded}_cast"),
+            onnx.helper.make_node("Cast", [rounded], [target], to=_FLOAT, name=f"{target}_cast")]
+
+
+def _computes_in_fp32(node, types):
+    """Whether `node` computes in fp32: its inputs share one type (the ops' type constraint), so one
+    known fp32 input, and no known input of another type, decides (a contrib op's output may have no
+    inferred type)."""
+    known = {types[name] for name in node.input if name in types}
+    return known == {_FLOAT}
+
+
+def _element_types(model):
+    """{tensor name: ONNX element type} of the graph's tensors, by ONNX's type inference; where it
+    knows none (ONNX Runtime's fused ops: FusedMatMul, Gelu, LayerNormalization, and what follows
+    them), a node's first output has the type of its first input, as those ops' do."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {value.name: value.type.tensor_type.elem_type
+             for value in (*graph.input, *graph.value_info, *graph.output) if value.type.HasField("tensor_type")}
+    types.update({tensor.name: tensor.data_type for tensor in graph.initializer})
+    for node in graph.node:  # in topological order
+        if (node.output and node.output[0] not in types and node.input and node.input[0] in types
+                and node.op_type not in _TYPE_CHANGING_OPS):
+            types[node.output[0]] = types[node.input[0]]
+    return types
+
+
+def unsupported(device_type, dtype):
+    """Why the graphs cannot compute in `dtype` on `device_type` ('cpu', 'cuda'), or None."""
+    if device_type == "cpu" and dtype == "bfloat16":
+        return ("ONNX Runtime's CPU provider has no bfloat16 kernels, so a bf16 graph could only emulate its "
+                "products, slower than fp32; on the CPU train in fp32, or in dtype='float16' for parity checks")
+    return None
+
+
+def slower_than_fp32(device_type, dtype):
+    """Why mixed precision in `dtype` is slower than fp32 on `device_type`, or None."""
+    if device_type == "cpu" and dtype == "float16":
+        return ("ONNX Runtime's CPU provider has no fp16 matrix products, so they are emulated (fp32 products with "
+                "fp16 rounding, as a GPU's fp16 products round): correct, but slower than fp32; mixed precision pays "
+                "off on a GPU")
+    return None
+
+
+def cast_outputs(model, dtypes):
+    """Casts the fp32 graph outputs of `model` (in place) that `dtypes` ({output name: 'float16' or
+    'bfloat16'}) names to that type: an ORTModule under torch.autocast returns what the model
+    returns there (a linear's output in fp16, a loss in fp32)."""
+    outputs = {output.name: output for output in model.graph.output}
+    for name, dtype in dtypes.items():
+        output = outputs[name]
+        if output.type.tensor_type.elem_type != _FLOAT:
+            continue
+        computed = f"{name}__float"
+        for node in model.graph.node:
+            node.output[:] = [computed if value == name else value for value in node.output]
+            node.input[:] = [computed if value == name else value for value in node.input]
+        model.graph.node.append(onnx.helper.make_node("Cast", [computed], [name], to=COMPUTE_TYPES[dtype],
+                                                      name=f"{name}_to_{dtype}"))
+        output.type.tensor_type.elem_type = COMPUTE_TYPES[dtype]
