@@ -1,0 +1,79 @@
+"""Mixed precision on CUDA: real fp16 and bf16 products (the CPU emulates fp16 and refuses bf16),
+against the PyTorch loop under `torch.autocast('cuda', dtype)` (+ GradScaler for fp16), and
+ORTModule under autocast. Tolerances as tests/test_mixed_precision.py explains for fp16 (losses
+1e-4 relative over 10 steps); bf16 rounds to 8 significant bits (2^-8 = 3.9e-3), so 1e-2.
+TF32 off on both sides. Not yet run on a GPU (written for the first lent device, issue #26)."""
+import copy
+import os
+
+import pytest
+import torch
+
+onnxruntime = pytest.importorskip("onnxruntime")
+if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
+    pytest.skip("needs ONNX Runtime's CUDA build and a CUDA torch", allow_module_level=True)
+
+from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
+from ort_trainer.ortmodule import ORTModule  # noqa: E402
+
+from .. import models  # noqa: E402
+
+STEPS = 10
+LOSS_RTOL = {"float16": 1e-4, "bfloat16": 1e-2}
+NO_TF32 = {"CUDAExecutionProvider": {"use_tf32": 0}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_tf32_off():
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def _batches():
+    return [tuple(t.cuda() for t in models.transformer_batch(step)) for step in range(STEPS)]
+
+
+def _autocast_losses(model, dtype, *, wrap=None):
+    """The PyTorch loop (Adam, no clip) under autocast; `wrap`: ORTModule around the model."""
+    model = copy.deepcopy(model)
+    model = wrap(model) if wrap is not None else model
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == "float16")
+    losses, dtypes = [], set()
+    for src, label in _batches():
+        adam.zero_grad()
+        with torch.autocast("cuda", dtype=getattr(torch, dtype)):
+            output = model(src)
+            loss = models.transformer_loss(output, label)
+        dtypes.add(output.dtype)
+        scaler.scale(loss).backward()
+        scaler.step(adam)
+        scaler.update()
+        losses.append(loss.item())
+    return losses, dtypes
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ortrainer_trains_in_step_with_torch_autocast_on_cuda(dtype):
+    model = models.transformer().cuda()
+    expected, _ = _autocast_losses(model, dtype)
+    trainer = ORTTrainer(copy.deepcopy(model), models.TRANSFORMER_DESC, optim.AdamConfig(lr=1e-3),
+                         loss_fn=models.transformer_loss, options=ORTTrainerOptions({
+                             "device": {"id": "cuda"}, "provider_options": NO_TF32, "utils": {"grad_norm_clip": False},
+                             "mixed_precision": {"enabled": True, "dtype": dtype}}))
+    for step, (src, label) in enumerate(_batches()):
+        loss, _ = trainer.train_step(src, label)
+        assert loss.item() == pytest.approx(expected[step], rel=LOSS_RTOL[dtype]), step
+    assert trainer.train_step_info.optimization_step == STEPS
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ortmodule_under_autocast_trains_in_step_on_cuda(dtype, monkeypatch):
+    monkeypatch.setitem(os.environ, "ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    model = models.transformer().cuda()
+    expected, expected_dtypes = _autocast_losses(model, dtype)
+    losses, dtypes = _autocast_losses(model, dtype, wrap=ORTModule)
+    assert dtypes == expected_dtypes
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=LOSS_RTOL[dtype], atol=0)
