@@ -10,7 +10,9 @@ rounding noise of the size fp16 and fp32 runs differ by. Measured over 20 steps 
 losses within 3e-5 relative of autocast's (ORT fp32 vs torch fp32: 2e-7); with SGD (linear in the
 gradients, so no amplification) weights within 4e-3 relative (max difference over max magnitude per
 tensor; torch fp32 vs autocast: up to 5e-3; ORT fp32 vs torch fp32: 1e-6). The tests allow about
-3x: losses 1e-4, weights 1e-2. That the graph rounds as fp16 at all, which those tolerances cannot
+3x: losses 1e-4, weights 1e-2. The CNN (Conv, training-mode BatchNorm over 8 rows, Linear) is
+noisier: BatchNorm divides by a batch deviation computed from the rounded conv outputs (losses
+measured 1.6e-4 against autocast, torch fp32 vs autocast 4.2e-4): its losses get 5e-4. That the graph rounds as fp16 at all, which those tolerances cannot
 tell from fp32, is pinned separately: against a torch reference with the graph's exact rounding
 rules, and by fp16 gradient underflow.
 """
@@ -85,9 +87,14 @@ def _seed():
 CASES = {
     "seed": (_seed, models.transformer_loss, models.TRANSFORMER_DESC, lambda s: (models.transformer_batch(s), {})),
     "sequential": (_sequential, _cross_entropy, SEQUENTIAL_DESC, lambda s: (_sequential_batch(s), {})),
+    "cnn": (models.conv_batch_norm, _cross_entropy, models.CONV_BATCH_NORM_DESC,
+            lambda s: (models.conv_batch_norm_batch(s), {})),  # Conv, BatchNorm in training mode, Linear
     "gpt2": (lambda: (torch.manual_seed(0), _gpt2())[1], None, _hf_desc("gpt2"), lambda s: ((), _hf_batch("gpt2", s))),
     "bert": (lambda: (torch.manual_seed(0), _bert())[1], None, _hf_desc("bert"), lambda s: ((), _hf_batch("bert", s))),
 }
+
+
+CASE_LOSS_RTOL = {"cnn": 5e-4}
 
 
 def _loss_of(model, loss_fn, args, kwargs):
@@ -162,15 +169,17 @@ def train_both(case, *, optimizer="adam", **mixed_precision):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fp16_adam_losses_in_step_with_torch_autocast(case):
     losses, expected, _ = train_both(case, optimizer="adam")
+    rtol = CASE_LOSS_RTOL.get(case, LOSS_RTOL)
     for step, (ours, theirs) in enumerate(zip(losses, expected)):
-        assert abs(ours - theirs) <= LOSS_RTOL * abs(theirs), (case, step, ours, theirs)
+        assert abs(ours - theirs) <= rtol * abs(theirs), (case, step, ours, theirs)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fp16_sgd_losses_and_weights_in_step_with_torch_autocast(case):
     losses, expected, worst_weight = train_both(case, optimizer="sgd")
+    rtol = CASE_LOSS_RTOL.get(case, LOSS_RTOL)
     for step, (ours, theirs) in enumerate(zip(losses, expected)):
-        assert abs(ours - theirs) <= LOSS_RTOL * abs(theirs), (case, step, ours, theirs)
+        assert abs(ours - theirs) <= rtol * abs(theirs), (case, step, ours, theirs)
     assert worst_weight <= WEIGHT_RTOL, (case, worst_weight)
 
 
@@ -239,7 +248,7 @@ def _autocast_loop(model, loss_fn, batches, *, dtype=torch.float16):
     return losses, dtypes
 
 
-@pytest.mark.parametrize("case", ["sequential", "seed", "gpt2"])
+@pytest.mark.parametrize("case", ["sequential", "seed", "gpt2", "cnn"])
 def test_ortmodule_under_autocast_trains_in_step_with_torch(case, monkeypatch):
     """The same loop on ORTModule(model) and on the model: same losses (tolerance as above), the
     outputs in the types autocast gives (a linear's output fp16), no fallback."""
@@ -255,8 +264,9 @@ def test_ortmodule_under_autocast_trains_in_step_with_torch(case, monkeypatch):
         warnings.filterwarnings("ignore", r"ORTModule under torch.autocast\('cpu', float16\)")
         losses, dtypes = _autocast_loop(ORTModule(model), loss_fn, batches)
     assert dtypes == expected_dtypes == {torch.float16}
+    rtol = CASE_LOSS_RTOL.get(case, LOSS_RTOL)
     for step, (ours, theirs) in enumerate(zip(losses, expected)):
-        assert abs(ours - theirs) <= LOSS_RTOL * abs(theirs), (case, step, ours, theirs)
+        assert abs(ours - theirs) <= rtol * abs(theirs), (case, step, ours, theirs)
 
 
 def test_ortmodule_graph_follows_the_autocast_state(monkeypatch):
