@@ -7,6 +7,7 @@ through our symbolics.
 """
 import copy
 import io
+import re
 
 import numpy as np
 import onnx
@@ -461,3 +462,77 @@ def test_embedding_padding_row_gets_no_gradient_from_the_lookup_as_in_torch(tied
         assert loss.item() == pytest.approx(expected.item(), rel=1e-5), f"step {step}"
     torch.testing.assert_close(model.embedding.weight, reference.embedding.weight, rtol=1e-4, atol=1e-6)
     assert torch.equal(model.embedding.weight[1], padding_row) != tied  # tied: the output layer moves it
+
+
+# ---------------------------------------------------------------- cross_entropy with label_smoothing
+def _label_batches(shape, classes, seed=0):
+    """(logits input, class targets with some ignore_index) batches; `shape`: the input's."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randn(*shape, generator=generator)
+        target_shape = (shape[0], *shape[2:]) if len(shape) > 2 else (shape[0],)
+        target = torch.randint(0, classes, target_shape, generator=generator)
+        target.view(-1)[::3] = -100  # ignore_index: not counted, in the loss or its mean
+        out.append((x, target))
+    return out
+
+
+class Classes(nn.Module):
+    """A linear classifier over dim 1 of a [batch, features, positions...] input."""
+
+    def __init__(self, features=6, classes=5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(features, classes)
+
+    def forward(self, x):
+        return self.linear(x.movedim(1, -1)).movedim(-1, 1)  # negative dims: our movedim symbolic
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("positions", [(), (4,)], ids=["2d", "3d"])
+def test_cross_entropy_with_label_smoothing_trains_like_torch(reduction, positions):
+    """torch's exporter refuses label_smoothing; ours exports torch's formula."""
+    def loss_fn(logits, target):
+        loss = nn.functional.cross_entropy(logits, target, label_smoothing=0.2, reduction=reduction)
+        return loss if reduction != "none" else loss.sum() / 7
+
+    dims = ["batch", *(f"p{i}" for i in range(len(positions)))]
+    desc = {"inputs": [("x", [dims[0], 6, *dims[1:]]), ("target", dims)],
+            "outputs": [("loss", [], True), ("logits", [dims[0], 5, *dims[1:]])]}
+    assert_trains_like_torch(Classes(), desc, _label_batches((3, 6, *positions), 5), loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("loss_fn, message", [
+    (lambda logits, target: nn.functional.cross_entropy(logits, target, weight=torch.ones(5), label_smoothing=0.1),
+     "cross_entropy with label_smoothing and class weights cannot be exported; drop one, or smooth the targets "
+     "yourself (class probabilities)"),
+    (lambda logits, target: nn.functional.cross_entropy(logits, nn.functional.one_hot(target.clamp(min=0), 5).float(),
+                                                        label_smoothing=0.1),
+     "cross_entropy with label_smoothing and class-probability targets cannot be exported; smooth the "
+     "probabilities yourself and pass label_smoothing=0"),
+])
+def test_cross_entropy_with_label_smoothing_cases_it_cannot_export_are_named(loss_fn, message):
+    desc = {"inputs": [("x", ["batch", 6]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
+    trainer = trainer_for(Classes(), desc, loss_fn)
+    with pytest.raises(Exception, match=re.escape(message)):
+        trainer.train_step(*_label_batches((3, 6), 5)[0])
+    assert trainer.train_step_info.step == 0
+
+
+@pytest.mark.parametrize("source, destination", [(-1, 1), (1, -1), ((0, -1), (-1, 0)), ((-3, -2), (2, 0)),
+                                                 (-2, -2), ((2, 0), (0, 1))])
+def test_movedim_export_computes_torch_movedim(source, destination):
+    """torch's symbolic put a negative source dim into the Transpose as it is (perm [0, -1])."""
+    class MoveDim(nn.Module):
+        def forward(self, x):
+            return x.movedim(source, destination) * 1
+
+    register_symbolics()
+    x = torch.randn(2, 3, 4)
+    buffer = io.BytesIO()
+    torch.onnx.export(MoveDim(), (x,), buffer, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {"x": x.numpy()})[0], x.movedim(source, destination).numpy())

@@ -3,12 +3,12 @@ import functools
 
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import symbolic_opset14
+from torch.onnx._internal.torchscript_exporter import symbolic_opset12, symbolic_opset14
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+from torch.onnx.errors import SymbolicValueError
 
 # Domain of the marker nodes our symbolics leave for `_graph.fixes` to rewrite (none reaches ORT).
 MARKER_DOMAIN = "ort_trainer"
-from torch.onnx.errors import SymbolicValueError
 
 
 @functools.cache
@@ -22,6 +22,64 @@ def register_symbolics():
     torch.onnx.register_custom_op_symbolic("aten::cumsum", _cumsum, 11)  # ONNX CumSum: opset 11
     torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _attention, 14)
     torch.onnx.register_custom_op_symbolic("aten::embedding", _embedding, 9)
+    torch.onnx.register_custom_op_symbolic("aten::cross_entropy_loss", _cross_entropy, 12)
+    torch.onnx.register_custom_op_symbolic("aten::movedim", _movedim, 9)
+
+
+@symbolic_helper.parse_args("v", "t", "t")
+def _movedim(g, data, source, destination):
+    """torch.movedim: torch's symbolic writes a negative source dim into the Transpose's perm as it
+    is (`x.movedim(-1, 1)` gave perm [0, -1], which ONNX rejects): dims taken modulo the rank."""
+    rank = symbolic_helper._get_tensor_rank(data)
+    if rank is None:
+        raise SymbolicValueError("torch.movedim: the input's rank is unknown to the exporter", data)
+    source, destination = ([int(dim) % rank for dim in dims.view(-1).tolist()] for dims in (source, destination))
+    perm = [dim for dim in range(rank) if dim not in source]
+    for dim, moved in sorted(zip(destination, source)):
+        perm.insert(dim, moved)
+    if perm == list(range(rank)):
+        return data
+    return g.op("Transpose", data, perm_i=perm)
+
+
+def _cross_entropy(g, logits, target, weight, reduction, ignore_index, label_smoothing):
+    """F.cross_entropy; with label_smoothing e > 0 (torch's symbolic refuses it), for class-index
+    targets without class weights: (1 - e) * nll + e * mean over the classes of -log_softmax, both
+    0 where the target is ignore_index, reduced as `reduction` (mean: over the counted targets), as
+    torch computes it. Built from LogSoftmax, GatherElements and reductions, whose gradients ONNX
+    Runtime has."""
+    smoothing = symbolic_helper._maybe_get_const(label_smoothing, "f")
+    if not smoothing:
+        return symbolic_opset12.cross_entropy_loss(g, logits, target, weight, reduction, ignore_index,
+                                                   label_smoothing)
+    if not isinstance(smoothing, float):
+        raise SymbolicValueError("cross_entropy: label_smoothing is computed in the graph; pass a Python float",
+                                 logits)
+    if not weight.node().mustBeNone():
+        raise SymbolicValueError("cross_entropy with label_smoothing and class weights cannot be exported; "
+                                 "drop one, or smooth the targets yourself (class probabilities)", logits)
+    if _scalar_type(target).dtype().is_floating_point:
+        raise SymbolicValueError("cross_entropy with label_smoothing and class-probability targets cannot be "
+                                 "exported; smooth the probabilities yourself and pass label_smoothing=0", logits)
+    reduction = ("none", "mean", "sum")[_constant_int(reduction, "cross_entropy", "reduction")]
+    ignore = _constant_int(ignore_index, "cross_entropy", "ignore_index")
+
+    def constant(value, dtype=torch.int64):
+        return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+    log_probs = g.op("LogSoftmax", logits, axis_i=1)
+    counted = g.op("Not", g.op("Equal", target, constant(ignore)))
+    index = g.op("Unsqueeze", g.op("Where", counted, target, constant(0)), constant([1]))
+    picked = g.op("Squeeze", g.op("GatherElements", log_probs, index, axis_i=1), constant([1]))
+    mean_over_classes = g.op("ReduceMean", log_probs, axes_i=[1], keepdims_i=0)
+    per_target = g.op("Neg", g.op("Add", g.op("Mul", picked, constant(1.0 - smoothing, torch.float32)),
+                                  g.op("Mul", mean_over_classes, constant(smoothing, torch.float32))))
+    mask = g.op("Cast", counted, to_i=_scalar_type(logits).onnx_type())
+    losses = g.op("Mul", per_target, mask)
+    if reduction == "none":
+        return losses
+    total = g.op("ReduceSum", losses, keepdims_i=0)
+    return total if reduction == "sum" else g.op("Div", total, g.op("ReduceSum", mask, keepdims_i=0))
 
 
 def _diff(g, data, n, dim, prepend, append):
