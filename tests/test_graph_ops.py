@@ -536,3 +536,42 @@ def test_movedim_export_computes_torch_movedim(source, destination):
     torch.onnx.export(MoveDim(), (x,), buffer, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
     session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(session.run(None, {"x": x.numpy()})[0], x.movedim(source, destination).numpy())
+
+
+# ---------------------------------------------------------------- activations without an ORT gradient
+ACTIVATIONS = {
+    "elu": lambda h: nn.functional.elu(h, alpha=0.7), "celu": lambda h: nn.functional.celu(h, alpha=1.5),
+    "selu": nn.functional.selu, "softplus": nn.functional.softplus,
+    "softplus_beta": lambda h: nn.functional.softplus(h, beta=2.0, threshold=5.0), "mish": nn.functional.mish,
+    "hardsigmoid": nn.functional.hardsigmoid, "hardswish": nn.functional.hardswish,
+}
+
+
+class Activated(nn.Module):
+    def __init__(self, activation):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.activation = nn.Linear(6, 6), activation
+
+    def forward(self, x):
+        # far into both tails (exp(100) overflows fp32): the left-out branch of a Where gives no NaN gradient
+        return self.activation(self.linear(x) * 100) / 100
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activation_without_an_ort_gradient_trains_like_torch(name):
+    """ONNX Runtime 1.19 has no gradient for Elu, Celu, Selu, Softplus (Mish), HardSigmoid and
+    HardSwish: a training export writes them with ops it differentiates."""
+    desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 6])],
+            "outputs": [("loss", [], True), ("output", ["batch", 6])]}
+    assert_trains_like_torch(Activated(ACTIVATIONS[name]), desc, batches((4, 6), (4, 6)))
+
+
+@pytest.mark.parametrize("name, op", [("elu", "Elu"), ("selu", "Selu"), ("softplus", "Softplus"),
+                                      ("hardswish", "HardSwish")])
+def test_an_inference_export_keeps_the_activation_op(name, op):
+    register_symbolics()
+    buffer = io.BytesIO()
+    torch.onnx.export(Activated(ACTIVATIONS[name]), (torch.randn(2, 6),), buffer, dynamo=False, input_names=["x"],
+                      opset_version=14, training=torch.onnx.TrainingMode.EVAL)
+    assert op in {node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node}

@@ -3,7 +3,7 @@ import functools
 
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import symbolic_opset12, symbolic_opset14
+from torch.onnx._internal.torchscript_exporter import symbolic_opset9, symbolic_opset12, symbolic_opset14
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 from torch.onnx.errors import SymbolicValueError
 
@@ -24,6 +24,97 @@ def register_symbolics():
     torch.onnx.register_custom_op_symbolic("aten::embedding", _embedding, 9)
     torch.onnx.register_custom_op_symbolic("aten::cross_entropy_loss", _cross_entropy, 12)
     torch.onnx.register_custom_op_symbolic("aten::movedim", _movedim, 9)
+    for name, symbolic, opset in _ACTIVATIONS:
+        torch.onnx.register_custom_op_symbolic(f"aten::{name}", symbolic, opset)
+
+
+# Activations ONNX Runtime 1.19 has no gradient for (Elu, Celu, Selu, Softplus and so Mish,
+# HardSigmoid, HardSwish): in a training export, the same function from ops it differentiates
+# (Relu, Exp, Log, Where, Tanh, arithmetic); an inference export (export_onnx) keeps torch's op.
+# Exp reads min(x, 0) (softplus: min(beta x, threshold)): the branch Where leaves out must not
+# overflow, or its gradient, multiplied by Where's zero, would be NaN.
+def _constant(g, value):
+    return g.op("Constant", value_t=torch.tensor(value, dtype=torch.float32))
+
+
+def _exp_minus_one_below_zero(g, x, scale):
+    """Where(x > 0, x, alpha (exp(x / scale) - 1)) without alpha: the negative branch's exp(x/s) - 1."""
+    negative = g.op("Min", x, _constant(g, 0.0))
+    if scale != 1.0:
+        negative = g.op("Div", negative, _constant(g, scale))
+    return g.op("Sub", g.op("Exp", negative), _constant(g, 1.0))
+
+
+def _elu_like(g, x, alpha, scale=1.0, input_scale=1.0, output_scale=1.0):
+    """output_scale * (x > 0 ? x : alpha (exp(input_scale x / scale) - 1)), torch's elu family."""
+    scaled = g.op("Mul", x, _constant(g, input_scale)) if input_scale != 1.0 else x
+    negative = g.op("Mul", _exp_minus_one_below_zero(g, scaled, scale), _constant(g, alpha))
+    y = g.op("Where", g.op("Greater", x, _constant(g, 0.0)), x, negative)
+    return g.op("Mul", y, _constant(g, output_scale)) if output_scale != 1.0 else y
+
+
+def _elu(g, x, alpha, scale, input_scale):
+    if not GLOBALS.export_training:
+        return symbolic_opset9.elu(g, x, alpha, scale, input_scale)
+    alpha, scale, input_scale = (symbolic_helper._maybe_get_const(v, "f") for v in (alpha, scale, input_scale))
+    return _elu_like(g, x, alpha, input_scale=input_scale, output_scale=scale)
+
+
+def _celu(g, x, alpha):
+    if not GLOBALS.export_training:
+        return symbolic_opset12.celu(g, x, alpha)
+    alpha = symbolic_helper._maybe_get_const(alpha, "f")
+    return _elu_like(g, x, alpha, scale=alpha)
+
+
+def _selu(g, x):
+    if not GLOBALS.export_training:
+        return symbolic_opset9.selu(g, x)
+    return _elu_like(g, x, 1.6732632423543772, output_scale=1.0507009873554805)
+
+
+def _softplus_of(g, x, beta=1.0, threshold=20.0):
+    """torch.softplus: x where beta x > threshold, else log(1 + exp(beta x)) / beta."""
+    z = g.op("Mul", x, _constant(g, beta)) if beta != 1.0 else x
+    smooth = g.op("Log", g.op("Add", g.op("Exp", g.op("Min", z, _constant(g, threshold))), _constant(g, 1.0)))
+    smooth = g.op("Div", smooth, _constant(g, beta)) if beta != 1.0 else smooth
+    return g.op("Where", g.op("Greater", z, _constant(g, threshold)), x, smooth)
+
+
+def _softplus(g, x, beta, threshold):
+    if not GLOBALS.export_training:
+        return symbolic_opset9.softplus(g, x, beta, threshold)
+    beta, threshold = (symbolic_helper._maybe_get_const(v, "f") for v in (beta, threshold))
+    return _softplus_of(g, x, beta, threshold)
+
+
+def _mish(g, x):
+    if not GLOBALS.export_training:
+        return symbolic_opset9.mish(g, x)
+    return g.op("Mul", x, g.op("Tanh", _softplus_of(g, x)))
+
+
+def _hardsigmoid_of(g, x):
+    """relu6(x + 3) / 6 as (relu(x + 3) - relu(x - 3)) / 6."""
+    above = g.op("Relu", g.op("Add", x, _constant(g, 3.0)))
+    rising = g.op("Sub", above, g.op("Relu", g.op("Sub", x, _constant(g, 3.0))))
+    return g.op("Div", rising, _constant(g, 6.0))
+
+
+def _hardsigmoid(g, x):
+    if not GLOBALS.export_training:
+        return symbolic_opset9.hardsigmoid(g, x)
+    return _hardsigmoid_of(g, x)
+
+
+def _hardswish(g, x):
+    if not GLOBALS.export_training:
+        return symbolic_opset14.hardswish(g, x)
+    return g.op("Mul", x, _hardsigmoid_of(g, x))
+
+
+_ACTIVATIONS = (("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9), ("softplus", _softplus, 9),
+                ("mish", _mish, 9), ("hardsigmoid", _hardsigmoid, 9), ("hardswish", _hardswish, 14))
 
 
 @symbolic_helper.parse_args("v", "t", "t")
