@@ -3,7 +3,8 @@
 InstanceNormalization (GroupNorm, InstanceNorm*d) and broadcast Where/Pow inputs are rewritten
 before the gradient is built, so those models train like torch; other ops without a gradient raise
 MissingGradientError naming the op and the module; torch.diff and integer torch.cumsum export
-through our symbolics.
+through our symbolics. Gradients ONNX Runtime lacks that we supply: CumSum (registered), the
+activations without one (written with ops it differentiates), cross_entropy's label smoothing.
 """
 import copy
 import io
@@ -190,13 +191,13 @@ def test_only_broadcast_parameter_inputs_are_expanded(model, broadcast_input, ot
 
 
 # ---------------------------------------------------------------- ops without a gradient
-class Scan(nn.Module):
+class Arctangent(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x):
-        return torch.cumsum(self.linear(x), dim=1)
+        return torch.atan(self.linear(x))
 
 
 class Nested(nn.Module):
@@ -208,13 +209,13 @@ class Nested(nn.Module):
         return self.body(x)
 
 
-class ScanBlock(nn.Module):
+class ArctangentBlock(nn.Module):
     def __init__(self):
         super().__init__()
-        self.scan = Scan()
+        self.atan = Arctangent()
 
     def forward(self, x):
-        return self.scan(x)
+        return self.atan(x)
 
 
 VECTOR_DESC = {"inputs": [("x", ["batch", 4]), ("y", ["batch", 4])],
@@ -222,21 +223,21 @@ VECTOR_DESC = {"inputs": [("x", ["batch", 4]), ("y", ["batch", 4])],
 
 
 def test_op_without_gradient_names_op_and_module():
-    trainer = trainer_for(Nested(ScanBlock()), VECTOR_DESC)
+    trainer = trainer_for(Nested(ArctangentBlock()), VECTOR_DESC)
     with pytest.raises(MissingGradientError, match=(
-            r"^ONNX Runtime has no gradient for CumSum, used by module 'body\.1\.scan' \(ONNX node "
-            r"/model/body/body\.1/scan/CumSum\) between the trainable parameters and the loss\. Compute that "
+            r"^ONNX Runtime has no gradient for Atan, used by module 'body\.1\.atan' \(ONNX node "
+            r"/model/body/body\.1/atan/Atan\) between the trainable parameters and the loss\. Compute that "
             r"part outside the trained graph \(e\.g\. in the data pipeline\), freeze the parameters that feed "
             r"it, or write it with ops that have gradients; if you need it as it is, report it to the "
             r"ort-trainer maintainers with this message\.$")) as raised:
         trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
     assert isinstance(raised.value, NotImplementedError)
     assert isinstance(raised.value.__cause__, RuntimeError)  # ORT's own message, chained
-    assert (raised.value.op_type, raised.value.modules) == ("CumSum", ["body.1.scan"])
+    assert (raised.value.op_type, raised.value.modules) == ("Atan", ["body.1.atan"])
 
 
 def test_op_without_gradient_off_the_parameters_path_trains():
-    """A cumsum of the inputs alone needs no gradient."""
+    """An atan of the inputs alone needs no gradient."""
 
     class CumulativeFeatures(nn.Module):
         def __init__(self):
@@ -244,7 +245,7 @@ def test_op_without_gradient_off_the_parameters_path_trains():
             self.linear = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.linear(torch.cumsum(x, dim=1))
+            return self.linear(torch.atan(x))
 
     torch.manual_seed(0)
     assert_trains_like_torch(CumulativeFeatures(), VECTOR_DESC, batches((2, 4), (2, 4)))
@@ -276,10 +277,10 @@ def test_unsupported_case_of_an_op_names_its_nodes_on_the_gradient_path():
 @pytest.mark.parametrize("node, module", [
     ("/model/backbone/norm/InstanceNormalization", "backbone.norm"),
     ("/model/model/layers/layers.0/mlp/Gemm", "model.layers.0.mlp"),
-    ("/model/blocks.1/CumSum", "blocks.1"),
-    ("/model/CumSum", ""),
-    ("/loss_fn/CumSum", None),
-    ("/CumSum", None),
+    ("/model/blocks.1/Atan", "blocks.1"),
+    ("/model/Atan", ""),
+    ("/loss_fn/Atan", None),
+    ("/Atan", None),
     ("", None),
 ])
 def test_torch_module_of_an_exported_node(node, module):
@@ -292,25 +293,25 @@ class CumulativeOutput(nn.Module):
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x):
-        return torch.cumsum(self.linear(x), dim=1)
+        return torch.atan(self.linear(x))
 
 
 @pytest.mark.parametrize("model, loss_fn, where", [
-    (CumulativeOutput, mse, r"the model's own forward\(\) \(ONNX node /model/CumSum\)"),
-    (lambda: nn.Linear(4, 4), lambda output, y: mse(torch.cumsum(output, dim=1), y),
-     r"loss_fn \(outside the model\) \(ONNX node /CumSum\)"),
+    (CumulativeOutput, mse, r"the model's own forward\(\) \(ONNX node /model/Atan\)"),
+    (lambda: nn.Linear(4, 4), lambda output, y: mse(torch.atan(output), y),
+     r"loss_fn \(outside the model\) \(ONNX node /Atan\)"),
 ], ids=["model_forward", "loss_fn"])
 def test_op_without_gradient_outside_a_submodule(model, loss_fn, where):
     trainer = trainer_for(model(), VECTOR_DESC, loss_fn)
-    expected = f"^ONNX Runtime has no gradient for CumSum, used by {where} between"
+    expected = f"^ONNX Runtime has no gradient for Atan, used by {where} between"
     with pytest.raises(MissingGradientError, match=expected):
         trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
 
 
 def test_missing_gradient_of_an_unnamed_node():
-    with pytest.raises(MissingGradientError, match=r"^ONNX Runtime has no gradient for CumSum, used by loss_fn "
+    with pytest.raises(MissingGradientError, match=r"^ONNX Runtime has no gradient for Atan, used by loss_fn "
                                                    r"\(outside the model\) \(ONNX node <unnamed>\) between"):
-        raise MissingGradientError("CumSum", [""])
+        raise MissingGradientError("Atan", [""])
 
 
 def test_missing_gradient_without_a_node():
@@ -575,3 +576,78 @@ def test_an_inference_export_keeps_the_activation_op(name, op):
     torch.onnx.export(Activated(ACTIVATIONS[name]), (torch.randn(2, 6),), buffer, dynamo=False, input_names=["x"],
                       opset_version=14, training=torch.onnx.TrainingMode.EVAL)
     assert op in {node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node}
+
+
+# ---------------------------------------------------------------- CumSum's gradient (registered)
+class Cumulative(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(5, 5)
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        return torch.cumsum(hidden, dim=1) + torch.cumsum(hidden.flip(0), dim=0)
+
+
+def test_cumsum_trains_like_torch():
+    desc = {"inputs": [("x", ["batch", 5]), ("y", ["batch", 5])],
+            "outputs": [("loss", [], True), ("output", ["batch", 5])]}
+    assert_trains_like_torch(Cumulative(), desc, batches((3, 5), (3, 5)))
+
+
+@pytest.mark.parametrize("exclusive, reverse", [(1, 0), (0, 1), (1, 1)])
+def test_cumsum_with_exclusive_or_reverse_computes_and_differentiates_as_its_definition(exclusive, reverse):
+    """ONNX models may set exclusive/reverse, which the registered gradient (of the inclusive forward
+    CumSum) does not read: such nodes are rewritten first. Values and gradients against torch."""
+    from onnx import TensorProto, helper
+
+    from ort_trainer._graph.training_graphs import build_graphs
+
+    nodes = [helper.make_node("Constant", [], ["axis"], value=onnx.numpy_helper.from_array(np.array(1, np.int64))),
+             helper.make_node("Mul", ["x", "w"], ["h"]),
+             helper.make_node("CumSum", ["h", "axis"], ["c"], exclusive=exclusive, reverse=reverse),
+             helper.make_node("Mul", ["c", "c"], ["sq"]), helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+    training, _ = build_graphs(model, ["w"], [], ["loss"], "loss", device_type="cpu")
+    session = onnxruntime.InferenceSession(training, providers=["CPUExecutionProvider"])
+    x, w = torch.randn(2, 4), torch.randn(4, requires_grad=True)
+    loss, grad = session.run(["loss", "w_grad"], {"x": x.numpy(), "w": w.detach().numpy()})
+    h = x * w
+    c = h.flip(1).cumsum(1).flip(1) if reverse else h.cumsum(1)
+    expected = ((c - h if exclusive else c) ** 2).sum()
+    expected.backward()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    np.testing.assert_allclose(grad, w.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_ortmodule_runs_these_in_its_graph(monkeypatch):
+    """CumSum, an activation ONNX Runtime cannot differentiate and a label-smoothed loss in one
+    ORTModule, no fallback: the gradients torch gives."""
+    from ort_trainer.ortmodule import ORTModule
+
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.linear = nn.Linear(6, 5)
+
+        def forward(self, x, target):
+            hidden = self.linear(x)
+            logits = nn.functional.elu(torch.cumsum(hidden, 1)) + nn.functional.hardswish(hidden)
+            return nn.functional.cross_entropy(logits, target, label_smoothing=0.1)
+
+    model = Mixed()
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(4, 6), torch.randint(0, 5, (4,))
+    ours, expected = ORTModule(model)(x, target), reference(x, target)
+    ours.backward()
+    expected.backward()
+    assert ours.item() == pytest.approx(expected.item(), rel=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
