@@ -545,6 +545,7 @@ ACTIVATIONS = {
     "selu": nn.functional.selu, "softplus": nn.functional.softplus,
     "softplus_beta": lambda h: nn.functional.softplus(h, beta=2.0, threshold=5.0), "mish": nn.functional.mish,
     "hardsigmoid": nn.functional.hardsigmoid, "hardswish": nn.functional.hardswish,
+    "prelu": nn.PReLU(6, init=0.3),  # a trained slope per channel
 }
 
 
@@ -552,7 +553,7 @@ class Activated(nn.Module):
     def __init__(self, activation):
         super().__init__()
         torch.manual_seed(0)
-        self.linear, self.activation = nn.Linear(6, 6), activation
+        self.linear, self.activation = nn.Linear(6, 6), copy.deepcopy(activation)
 
     def forward(self, x):
         # far into both tails (exp(100) overflows fp32): the left-out branch of a Where gives no NaN gradient
@@ -561,15 +562,15 @@ class Activated(nn.Module):
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 def test_activation_without_an_ort_gradient_trains_like_torch(name):
-    """ONNX Runtime 1.19 has no gradient for Elu, Celu, Selu, Softplus (Mish), HardSigmoid and
-    HardSwish: a training export writes them with ops it differentiates."""
+    """ONNX Runtime 1.19 has no gradient for PRelu, Elu, Celu, Selu, Softplus (Mish), HardSigmoid
+    and HardSwish: a training export writes them with ops it differentiates."""
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 6])],
             "outputs": [("loss", [], True), ("output", ["batch", 6])]}
     assert_trains_like_torch(Activated(ACTIVATIONS[name]), desc, batches((4, 6), (4, 6)))
 
 
 @pytest.mark.parametrize("name, op", [("elu", "Elu"), ("selu", "Selu"), ("softplus", "Softplus"),
-                                      ("hardswish", "HardSwish")])
+                                      ("hardswish", "HardSwish"), ("prelu", "PRelu")])
 def test_an_inference_export_keeps_the_activation_op(name, op):
     register_symbolics()
     buffer = io.BytesIO()

@@ -28,7 +28,7 @@ def register_symbolics():
         torch.onnx.register_custom_op_symbolic(f"aten::{name}", symbolic, opset)
 
 
-# Activations ONNX Runtime 1.19 has no gradient for (Elu, Celu, Selu, Softplus and so Mish,
+# Activations ONNX Runtime 1.19 has no gradient for (PRelu, Elu, Celu, Selu, Softplus and so Mish,
 # HardSigmoid, HardSwish): in a training export, the same function from ops it differentiates
 # (Relu, Exp, Log, Where, Tanh, arithmetic); an inference export (export_onnx) keeps torch's op.
 # Exp reads min(x, 0) (softplus: min(beta x, threshold)): the branch Where leaves out must not
@@ -113,7 +113,20 @@ def _hardswish(g, x):
     return g.op("Mul", x, _hardsigmoid_of(g, x))
 
 
-_ACTIVATIONS = (("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9), ("softplus", _softplus, 9),
+def _prelu(g, x, weight):
+    """x > 0 ? x : weight x, the weight broadcast over dim 1 as torch's symbolic does (ONNX Runtime
+    has no PRelu gradient)."""
+    if not GLOBALS.export_training:
+        return symbolic_opset9.prelu(g, x, weight)
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is not None and rank > 2:
+        weight = symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1)))
+    elif rank == 0:
+        weight = g.op("Reshape", weight, g.op("Constant", value_t=torch.tensor([], dtype=torch.int64)))
+    return g.op("Where", g.op("Greater", x, _constant(g, 0.0)), x, g.op("Mul", weight, x))
+
+
+_ACTIVATIONS = (("prelu", _prelu, 9), ("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9), ("softplus", _softplus, 9),
                 ("mish", _mish, 9), ("hardsigmoid", _hardsigmoid, 9), ("hardswish", _hardswish, 14))
 
 
