@@ -652,3 +652,32 @@ def test_ortmodule_runs_these_in_its_graph(monkeypatch):
     assert ours.item() == pytest.approx(expected.item(), rel=1e-6)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- ReduceMax / ReduceMin (no ORT gradient)
+EXTREMA = {
+    "max_dim": lambda h: torch.max(h.view(-1, 2, 3), 1)[0].repeat(1, 2),
+    "min_dim_keepdim": lambda h: (h.view(-1, 2, 3) - torch.min(h.view(-1, 2, 3), 2, keepdim=True)[0]).flatten(1),
+    "amax_masked": lambda h: torch.softmax(h.masked_fill(torch.arange(6) > 3, float("-inf")) -
+                                           h.masked_fill(torch.arange(6) > 3, float("-inf")).amax(1, keepdim=True), 1),
+    "max_all": lambda h: h * torch.max(h),
+    "ties": lambda h: h * torch.amax(torch.cat([h, h], 1), 1, keepdim=True),  # each maximum twice: the value
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+def test_max_and_min_train_like_torch(name):
+    """Written as the mean of the elements equal to the extremum: torch's amax gradient (ties share
+    it evenly), -inf elements (masked attention scores) kept out."""
+    class Reduced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.linear = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return EXTREMA[name](self.linear(x))
+
+    desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 6])],
+            "outputs": [("loss", [], True), ("output", ["batch", 6])]}
+    assert_trains_like_torch(Reduced(), desc, batches((4, 6), (4, 6)))

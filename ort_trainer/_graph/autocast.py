@@ -23,7 +23,7 @@ import onnx
 LOWER_PRECISION_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul")
 COMPUTE_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 _FLOAT = onnx.TensorProto.FLOAT
-# Ops whose first output's type is not their first input's (for `_element_types`).
+# Ops whose first output's type is not their first input's (for `element_types`).
 _TYPE_CHANGING_OPS = {"Shape", "Size", "Cast", "CastLike", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
                       "Not", "And", "Or", "Xor", "IsNaN", "IsInf", "ArgMax", "ArgMin", "NonZero", "ConstantOfShape",
                       "EyeLike", "RandomNormalLike", "RandomUniformLike", "Multinomial", "QuantizeLinear",
@@ -37,7 +37,7 @@ def lower_precision(model, dtype, *, device_type):
     under its old name; on the CPU (`device_type`) as round trips around the fp32 node (see the
     module docstring). Returns the number of nodes rewritten."""
     emulated = device_type == "cpu"
-    types = _element_types(model)
+    types = element_types(model)
     suffix = f"__{dtype}"
     lowered = {}  # tensor -> its lower-precision copy (on the CPU: rounded, in fp32)
     nodes, rewritten = [], 0
@@ -79,7 +79,7 @@ def _computes_in_fp32(node, types):
     return known == {_FLOAT}
 
 
-def _element_types(model):
+def element_types(model):
     """{tensor name: ONNX element type} of the graph's tensors, by ONNX's type inference; where it
     knows none (ONNX Runtime's fused ops: FusedMatMul, Gelu, LayerNormalization, and what follows
     them), a node's first output has the type of its first input, as those ops' do."""

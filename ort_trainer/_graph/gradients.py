@@ -1,7 +1,8 @@
-"""Gradients ONNX Runtime 1.19 lacks, registered with its gradient builder (once per process):
-CumSum's (the reverse cumulative sum of the output's gradient). A registered definition cannot read
+"""Gradients ONNX Runtime 1.19 lacks. CumSum's is registered with its gradient builder (once per
+process): the reverse cumulative sum of the output's gradient. A registered definition cannot read
 the forward node's attributes, so it is the gradient of an inclusive, forward CumSum, the form
-torch exports; `cumsum_as_inclusive` writes the other forms (from ONNX models) in that one."""
+torch exports; `cumsum_as_inclusive` writes the other forms (from ONNX models) in that one.
+ReduceMax/ReduceMin are written with ops that have gradients (`extrema_differentiable`)."""
 import functools
 import json
 
@@ -11,6 +12,7 @@ from onnx import numpy_helper
 from onnxruntime.capi import _pybind_state as C
 
 from .._onnx import int64_constant
+from .autocast import element_types
 
 
 @functools.cache
@@ -70,3 +72,46 @@ def cumsum_as_inclusive(model):
             nodes.append(onnx.helper.make_node("Sub", [inclusive, x], [y]))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+
+
+def extrema_differentiable(model):
+    """Rewrites each fp32 ReduceMax and ReduceMin (in place; ONNX Runtime 1.19 has no gradient for
+    them) as the mean of the input's elements equal to the extremum: the same value, and torch's
+    amax/amin gradient (shared evenly among ties). The extremum itself only feeds an Equal, which
+    stops the gradient; Where, not a product, keeps -inf elements out of the sum."""
+    if not any(node.op_type in ("ReduceMax", "ReduceMin") for node in model.graph.node):
+        return  # (type inference of a large model costs a moment)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    types = element_types(model)
+    nodes = []
+    for node in model.graph.node:
+        if (node.op_type not in ("ReduceMax", "ReduceMin") or node.domain not in ("", "ai.onnx")
+                or types.get(node.input[0]) != onnx.TensorProto.FLOAT):
+            nodes.append(node)
+            continue
+        x, name = node.input[0], node.output[0]
+        attributes = {attribute.name: attribute for attribute in node.attribute}
+        keepdims = attributes["keepdims"].i if "keepdims" in attributes else 1
+        axes = list(attributes["axes"].ints) if "axes" in attributes else None
+        extremum, at, zero, one = (f"{name}__{part}" for part in ("extremum", "at", "zero", "one"))
+        nodes += [onnx.helper.make_node(node.op_type, list(node.input), [extremum], keepdims=1,
+                                        **({"axes": axes} if axes is not None else {})),
+                  onnx.helper.make_node("Equal", [x, extremum], [at]),
+                  _float_constant(zero, 0.0), _float_constant(one, 1.0),
+                  onnx.helper.make_node("Where", [at, x, zero], [f"{name}__kept"]),
+                  onnx.helper.make_node("Where", [at, one, zero], [f"{name}__each"])]
+        axes_input = list(node.input[1:2])  # opset 18: axes as an input
+        if axes is not None and opset >= 13:
+            axes_input = [f"{name}__axes"]
+            nodes.append(int64_constant(axes_input[0], axes))
+        for part in ("kept", "each"):
+            nodes.append(onnx.helper.make_node("ReduceSum", [f"{name}__{part}", *axes_input], [f"{name}__{part}_sum"],
+                                               keepdims=keepdims,
+                                               **({"axes": axes} if axes is not None and opset < 13 else {})))
+        nodes.append(onnx.helper.make_node("Div", [f"{name}__kept_sum", f"{name}__each_sum"], [node.output[0]]))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
+def _float_constant(name, value):
+    return onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.float32)))
