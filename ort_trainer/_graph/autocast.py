@@ -5,7 +5,8 @@ Cast is a Cast back, so the gradients come out fp32 too.
 
 Which ops run in the lower precision: those of torch.autocast's "lower precision" lists (CPU and
 CUDA) that the TorchScript exporter emits as one ONNX op: `aten::linear/matmul/mm/bmm/addmm/
-baddbmm` (MatMul, Gemm), `aten::conv*` (Conv) and `aten::conv_transpose*` (ConvTranspose).
+baddbmm` (MatMul, Gemm, and FusedMatMul where ONNX Runtime's optimizer fused a transpose or scale
+into one), `aten::conv*` (Conv) and `aten::conv_transpose*` (ConvTranspose).
 Their fp32 inputs are cast down and their output cast back to fp32, so the next op (softmax,
 layer norm, GELU, residual add, the loss, reductions) computes in fp32, as autocast's fp32 and
 promote lists say. Control-flow subgraphs (If/Loop bodies) are left in fp32.
