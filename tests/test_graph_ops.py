@@ -662,13 +662,16 @@ EXTREMA = {
                                            h.masked_fill(torch.arange(6) > 3, float("-inf")).amax(1, keepdim=True), 1),
     "max_all": lambda h: h * torch.max(h),
     "ties": lambda h: h * torch.amax(torch.cat([h, h], 1), 1, keepdim=True),  # each maximum twice: the value
+    # torch.flip: a reversing Slice, whose ORT gradient fails to run, written as a Gather
+    "flip": lambda h: torch.flip(h, [1]) * h,
+    "flip_two_axes": lambda h: torch.flip(h.view(-1, 2, 3), [1, 2]).flatten(1),
 }
 
 
 @pytest.mark.parametrize("name", sorted(EXTREMA))
 def test_max_and_min_train_like_torch(name):
     """Written as the mean of the elements equal to the extremum: torch's amax gradient (ties share
-    it evenly), -inf elements (masked attention scores) kept out."""
+    it evenly), -inf elements (masked attention scores) kept out. torch.flip too."""
     class Reduced(nn.Module):
         def __init__(self):
             super().__init__()

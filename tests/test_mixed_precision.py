@@ -12,8 +12,9 @@ gradients, so no amplification) weights within 4e-3 relative (max difference ove
 tensor; torch fp32 vs autocast: up to 5e-3; ORT fp32 vs torch fp32: 1e-6). The tests allow about
 3x: losses 1e-4, weights 1e-2. The CNN (Conv, training-mode BatchNorm over 8 rows, Linear) is
 noisier: BatchNorm divides by a batch deviation computed from the rounded conv outputs (losses
-measured 1.6e-4 against autocast, torch fp32 vs autocast 4.2e-4): its losses get 5e-4. That the graph rounds as fp16 at all, which those tolerances cannot
-tell from fp32, is pinned separately: against a torch reference with the graph's exact rounding
+measured 1.6e-4 against autocast, torch fp32 vs autocast 4.2e-4): its losses get 5e-4.
+That the graph rounds as fp16 at all, which those tolerances cannot tell from fp32, is pinned
+separately: against a torch reference with the graph's exact rounding
 rules, and by fp16 gradient underflow.
 """
 import copy
@@ -56,7 +57,8 @@ def _hf_batch(family, step):
 
 def _hf_desc(family):
     logits = ["batch", 3] if family == "bert" else ["batch", "seq", HF_VOCAB]
-    return {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch"] if family == "bert" else ["batch", "seq"])],
+    labels = ["batch"] if family == "bert" else ["batch", "seq"]
+    return {"inputs": [("input_ids", ["batch", "seq"]), ("labels", labels)],
             "outputs": [("loss", [], True), ("logits", logits)]}
 
 

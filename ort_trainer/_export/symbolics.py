@@ -126,7 +126,8 @@ def _prelu(g, x, weight):
     return g.op("Where", g.op("Greater", x, _constant(g, 0.0)), x, g.op("Mul", weight, x))
 
 
-_ACTIVATIONS = (("prelu", _prelu, 9), ("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9), ("softplus", _softplus, 9),
+_ACTIVATIONS = (("prelu", _prelu, 9), ("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9),
+                ("softplus", _softplus, 9),
                 ("mish", _mish, 9), ("hardsigmoid", _hardsigmoid, 9), ("hardswish", _hardswish, 14))
 
 

@@ -6,7 +6,7 @@ import onnx
 
 from .._export.symbolics import MARKER_DOMAIN
 from .._onnx import computed_from, inferred_tensors, int64_constant, node_attributes, parameters_as_inputs
-from .gradients import cumsum_as_inclusive, extrema_differentiable, register_gradients
+from .gradients import cumsum_as_inclusive, extrema_differentiable, flips_as_gathers, register_gradients
 from .normalization import decompose_instance_normalization, inference_batch_norm_as_primitives
 
 # Nodes whose optional outputs the gradient builder reads, and how many outputs it needs (Dropout's
@@ -159,11 +159,13 @@ def prepare_for_gradient(model, trainable):
     whose nodes have their optional outputs (add_second_outputs), in place: embedding padding rows
     without gradient, inference-mode BatchNormalization, InstanceNormalization and broadcast
     Where/Pow inputs as ops whose ORT gradients exist and are right; CumSum in the form whose
-    gradient `_graph.gradients` registers; ReduceMax/ReduceMin as ops with gradients. Returns the padding-row
+    gradient `_graph.gradients` registers; ReduceMax/ReduceMin and reversing Slices (torch.flip) as
+    ops with gradients. Returns the padding-row
     aliases added (graph inputs to bind to their weights' memory)."""
     register_gradients()
     cumsum_as_inclusive(model)
     extrema_differentiable(model)
+    flips_as_gathers(model)
     aliases = padding_rows_without_gradient(model, set(trainable))
     inference_batch_norm_as_primitives(model)
     decompose_instance_normalization(model)

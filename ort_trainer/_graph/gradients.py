@@ -44,9 +44,7 @@ def cumsum_as_inclusive(model):
     Raises:
         NotImplementedError: such a CumSum's axis is computed in the graph (a constant is needed).
     """
-    constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
-    constants.update({node.output[0]: numpy_helper.to_array(node.attribute[0].t) for node in model.graph.node
-                      if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"})
+    constants = _constants(model)
     nodes = []
     for node in model.graph.node:
         flags = {attribute.name: attribute.i for attribute in node.attribute}
@@ -115,3 +113,48 @@ def extrema_differentiable(model):
 
 def _float_constant(name, value):
     return onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.float32)))
+
+
+def flips_as_gathers(model):
+    """Rewrites each reversing Slice (in place; torch.flip exports Slice(starts -1, ends -inf, steps
+    -1), whose gradient ONNX Runtime 1.19 fails to run) as Gathers of the reversed indices, one per
+    axis, whose gradient it has."""
+    constants = _constants(model)
+    nodes = []
+    for node in model.graph.node:
+        arguments = [constants.get(name) for name in node.input[1:5]] if node.op_type == "Slice" else []
+        if len(arguments) < 4 or any(value is None for value in arguments) or not _reverses(*arguments):
+            nodes.append(node)
+            continue
+        flipped = node.input[0]
+        for index, axis in enumerate(np.asarray(arguments[2]).reshape(-1).tolist()):
+            name = f"{node.output[0]}__flip{index}"
+            nodes += [onnx.helper.make_node("Shape", [flipped], [f"{name}_shape"]),
+                      int64_constant(f"{name}_axis", axis),
+                      onnx.helper.make_node("Gather", [f"{name}_shape", f"{name}_axis"], [f"{name}_size"]),
+                      int64_constant(f"{name}_zero", 0), int64_constant(f"{name}_one", 1),
+                      onnx.helper.make_node("Range", [f"{name}_zero", f"{name}_size", f"{name}_one"],
+                                            [f"{name}_positions"]),
+                      onnx.helper.make_node("Sub", [f"{name}_size", f"{name}_one"], [f"{name}_last"]),
+                      # last - positions, not Range(last, -1, -1): ONNX Runtime's GatherToSliceFusion turns
+                      # a Gather of a descending Range into an empty Slice
+                      onnx.helper.make_node("Sub", [f"{name}_last", f"{name}_positions"], [f"{name}_indices"]),
+                      onnx.helper.make_node("Gather", [flipped, f"{name}_indices"], [name], axis=axis)]
+            flipped = name
+        nodes.append(onnx.helper.make_node("Identity", [flipped], [node.output[0]]))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
+def _reverses(starts, ends, axes, steps):
+    """Whether Slice arguments reverse whole axes: starts -1, ends before the first element, steps -1."""
+    starts, ends, steps = (np.asarray(value).reshape(-1) for value in (starts, ends, steps))
+    return bool(len(steps) and (steps == -1).all() and (starts == -1).all() and (ends <= -(2 ** 31)).all())
+
+
+def _constants(model):
+    """{name: array} of the initializers and Constant nodes' outputs."""
+    constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+    constants.update({node.output[0]: numpy_helper.to_array(node.attribute[0].t) for node in model.graph.node
+                      if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"})
+    return constants
