@@ -106,8 +106,9 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     their matrix products in it (`_graph.autocast`). Before the gradient is built, the fixes of
     `_graph.fixes`; an op without a gradient raises MissingGradientError. `recompute`: a
     `_graph.recompute.Recompute` (the recompute options), or None. `shape_inference`: run
-    `symbolic_shapes` on the forward first. `batch_statistics`: a `_graph.batch_norm.BatchStatistics`, or None: its rewrite of the
-    training-mode BatchNorms of the training graph, whose statistics outputs follow `output_names`.
+    `symbolic_shapes` on the forward first. `batch_statistics`: a `_graph.batch_norm.BatchStatistics`,
+    or None: its rewrite of the training-mode BatchNorms of the training graph, whose statistics
+    outputs follow `output_names`.
     """
     weights_as_inputs(model, [*trainable, *read_only])  # first: no copy below holds weights
     if shape_inference:
