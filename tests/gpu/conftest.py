@@ -30,3 +30,14 @@ def pytest_collection_modifyitems(config, items):
         reason = _unavailable()
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def torch_tf32_off():
+    """TF32 off in torch for a module's tests (ONNX Runtime's is off through `use_tf32`): fp32 products on both."""
+    import torch
+
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn

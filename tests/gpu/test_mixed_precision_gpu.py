@@ -21,14 +21,7 @@ from .. import models  # noqa: E402
 STEPS = 10
 LOSS_RTOL = {"float16": 1e-4, "bfloat16": 1e-2}
 NO_TF32 = {"CUDAExecutionProvider": {"use_tf32": 0}}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_tf32_off():
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+pytestmark = pytest.mark.usefixtures("torch_tf32_off")
 
 
 def _batches():
