@@ -549,15 +549,16 @@ ACTIVATIONS = {
 }
 
 
-class Activated(nn.Module):
-    def __init__(self, activation):
+class LinearThen(nn.Module):
+    """activation(scale * linear(x)) / scale; the activation may be a module with parameters."""
+
+    def __init__(self, activation, *, features=6, scale=1.0):
         super().__init__()
         torch.manual_seed(0)
-        self.linear, self.activation = nn.Linear(6, 6), copy.deepcopy(activation)
+        self.linear, self.activation, self.scale = nn.Linear(features, features), copy.deepcopy(activation), scale
 
     def forward(self, x):
-        # far into both tails (exp(100) overflows fp32): the left-out branch of a Where gives no NaN gradient
-        return self.activation(self.linear(x) * 100) / 100
+        return self.activation(self.linear(x) * self.scale) / self.scale
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
@@ -566,7 +567,8 @@ def test_activation_without_an_ort_gradient_trains_like_torch(name):
     and HardSwish: a training export writes them with ops it differentiates."""
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 6])],
             "outputs": [("loss", [], True), ("output", ["batch", 6])]}
-    assert_trains_like_torch(Activated(ACTIVATIONS[name]), desc, batches((4, 6), (4, 6)))
+    # far into both tails (exp(100) overflows fp32): the left-out branch of a Where gives no NaN gradient
+    assert_trains_like_torch(LinearThen(ACTIVATIONS[name], scale=100.0), desc, batches((4, 6), (4, 6)))
 
 
 @pytest.mark.parametrize("name, op", [("elu", "Elu"), ("selu", "Selu"), ("softplus", "Softplus"),
@@ -574,27 +576,19 @@ def test_activation_without_an_ort_gradient_trains_like_torch(name):
 def test_an_inference_export_keeps_the_activation_op(name, op):
     register_symbolics()
     buffer = io.BytesIO()
-    torch.onnx.export(Activated(ACTIVATIONS[name]), (torch.randn(2, 6),), buffer, dynamo=False, input_names=["x"],
+    torch.onnx.export(LinearThen(ACTIVATIONS[name]), (torch.randn(2, 6),), buffer, dynamo=False, input_names=["x"],
                       opset_version=14, training=torch.onnx.TrainingMode.EVAL)
     assert op in {node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node}
 
 
 # ---------------------------------------------------------------- CumSum's gradient (registered)
-class Cumulative(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = nn.Linear(5, 5)
-
-    def forward(self, x):
-        hidden = self.linear(x)
-        return torch.cumsum(hidden, dim=1) + torch.cumsum(hidden.flip(0), dim=0)
-
-
 def test_cumsum_trains_like_torch():
     desc = {"inputs": [("x", ["batch", 5]), ("y", ["batch", 5])],
             "outputs": [("loss", [], True), ("output", ["batch", 5])]}
-    assert_trains_like_torch(Cumulative(), desc, batches((3, 5), (3, 5)))
+    def cumulative(hidden):
+        return torch.cumsum(hidden, dim=1) + torch.cumsum(hidden.flip(0), dim=0)
+
+    assert_trains_like_torch(LinearThen(cumulative, features=5), desc, batches((3, 5), (3, 5)))
 
 
 @pytest.mark.parametrize("exclusive, reverse", [(1, 0), (0, 1), (1, 1)])
@@ -672,15 +666,6 @@ EXTREMA = {
 def test_max_and_min_train_like_torch(name):
     """Written as the mean of the elements equal to the extremum: torch's amax gradient (ties share
     it evenly), -inf elements (masked attention scores) kept out. torch.flip too."""
-    class Reduced(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.linear = nn.Linear(6, 6)
-
-        def forward(self, x):
-            return EXTREMA[name](self.linear(x))
-
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 6])],
             "outputs": [("loss", [], True), ("output", ["batch", 6])]}
-    assert_trains_like_torch(Reduced(), desc, batches((4, 6), (4, 6)))
+    assert_trains_like_torch(LinearThen(EXTREMA[name]), desc, batches((4, 6), (4, 6)))

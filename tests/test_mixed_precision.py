@@ -168,20 +168,22 @@ def train_both(case, *, optimizer="adam", **mixed_precision):
     return losses, expected_losses, worst
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_fp16_adam_losses_in_step_with_torch_autocast(case):
-    losses, expected, _ = train_both(case, optimizer="adam")
+def assert_losses_close(case, losses, expected):
     rtol = CASE_LOSS_RTOL.get(case, LOSS_RTOL)
     for step, (ours, theirs) in enumerate(zip(losses, expected)):
         assert abs(ours - theirs) <= rtol * abs(theirs), (case, step, ours, theirs)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fp16_adam_losses_in_step_with_torch_autocast(case):
+    losses, expected, _ = train_both(case, optimizer="adam")
+    assert_losses_close(case, losses, expected)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fp16_sgd_losses_and_weights_in_step_with_torch_autocast(case):
     losses, expected, worst_weight = train_both(case, optimizer="sgd")
-    rtol = CASE_LOSS_RTOL.get(case, LOSS_RTOL)
-    for step, (ours, theirs) in enumerate(zip(losses, expected)):
-        assert abs(ours - theirs) <= rtol * abs(theirs), (case, step, ours, theirs)
+    assert_losses_close(case, losses, expected)
     assert worst_weight <= WEIGHT_RTOL, (case, worst_weight)
 
 
@@ -266,9 +268,7 @@ def test_ortmodule_under_autocast_trains_in_step_with_torch(case, monkeypatch):
         warnings.filterwarnings("ignore", r"ORTModule under torch.autocast\('cpu', float16\)")
         losses, dtypes = _autocast_loop(ORTModule(model), loss_fn, batches)
     assert dtypes == expected_dtypes == {torch.float16}
-    rtol = CASE_LOSS_RTOL.get(case, LOSS_RTOL)
-    for step, (ours, theirs) in enumerate(zip(losses, expected)):
-        assert abs(ours - theirs) <= rtol * abs(theirs), (case, step, ours, theirs)
+    assert_losses_close(case, losses, expected)
 
 
 def test_ortmodule_graph_follows_the_autocast_state(monkeypatch):

@@ -57,6 +57,7 @@ import torch.nn as nn
 from ort_trainer import ORTTrainer, ORTTrainerOptions, amp, optim
 
 from . import models
+from .test_onnx_model import exported
 
 pytestmark = pytest.mark.filterwarnings("ignore:mixed_precision.dtype='float16' on device 'cpu'")
 
@@ -515,17 +516,6 @@ def test_save_as_onnx_writes_the_fp32_forward_and_loss_and_resumes_as_an_onnx_mo
     assert _train(resumed, more)[0] == _train(trainer, more)[0]
 
 
-def _exported(module):
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, models.mlp_batch(0), buffer, input_names=["x", "target"],
-                          output_names=["loss", "out"], opset_version=14, dynamo=False,
-                          dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}, "out": {0: "batch"}},
-                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
-    return onnx.load_from_string(buffer.getvalue())
-
-
 def test_an_onnx_model_trains_in_fp16():
     """An onnx.ModelProto as the model: mixed precision applies to its graph too (the logits are
     fp16 values; an fp32 trainer's: none of them), it trains bit for bit as the torch model it was
@@ -534,7 +524,7 @@ def test_an_onnx_model_trains_in_fp16():
     batches = _mlp_batches()
     expected_losses, _, _ = _autocast_run(module, None, batches,
                                           lambda model: torch.optim.Adam(model.parameters(), lr=0.01))
-    from_onnx = _fp16_trainer(_exported(module), ONNX_DESC, optim.AdamConfig(lr=0.01))
+    from_onnx = _fp16_trainer(exported(module), ONNX_DESC, optim.AdamConfig(lr=0.01))
     from_torch = _fp16_trainer(copy.deepcopy(module), ONNX_DESC, optim.AdamConfig(lr=0.01))
     losses, logits = _train(from_onnx, batches)
     torch_losses, torch_logits = _train(from_torch, batches)

@@ -27,13 +27,21 @@ def register_gradients():
     C.register_gradient_definition("::CumSum", [node])
 
 
-def _sum_along(model, x, total, axis):
-    """Nodes for total = ReduceSum(x, axis, keepdims): axes an attribute before opset 13, an input since."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
-    if opset < 13:
-        return [onnx.helper.make_node("ReduceSum", [x], [total], axes=[axis], keepdims=1)]
-    axes = f"{total}__axes"
-    return [int64_constant(axes, [axis]), onnx.helper.make_node("ReduceSum", [x, axes], [total], keepdims=1)]
+def _opset(model):
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+
+
+def _reduce_sum(x, total, *, opset, keepdims, axes=None, axes_input=None):
+    """Nodes for total = ReduceSum(x) over `axes` (a list), the tensor `axes_input`, or every axis:
+    axes are an attribute before opset 13, an input since."""
+    if axes is not None and opset < 13:
+        return [onnx.helper.make_node("ReduceSum", [x], [total], axes=axes, keepdims=keepdims)]
+    nodes = []
+    if axes is not None:
+        axes_input = f"{total}__axes"
+        nodes.append(int64_constant(axes_input, axes))
+    inputs = [x, axes_input] if axes_input else [x]
+    return nodes + [onnx.helper.make_node("ReduceSum", inputs, [total], keepdims=keepdims)]
 
 
 def cumsum_as_inclusive(model):
@@ -61,7 +69,7 @@ def cumsum_as_inclusive(model):
         nodes.append(node)
         if flags.get("reverse"):
             total = f"{y}__total"
-            nodes += _sum_along(model, x, total, axis)
+            nodes += _reduce_sum(x, total, opset=_opset(model), keepdims=1, axes=[axis])
             before = f"{y}__before"
             nodes.append(onnx.helper.make_node("Sub", [total, inclusive], [before]))
             nodes.append(onnx.helper.make_node("Identity" if flags.get("exclusive") else "Add",
@@ -79,7 +87,7 @@ def extrema_differentiable(model):
     stops the gradient; Where, not a product, keeps -inf elements out of the sum."""
     if not any(node.op_type in ("ReduceMax", "ReduceMin") for node in model.graph.node):
         return  # (type inference of a large model costs a moment)
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    opset = _opset(model)
     types = element_types(model)
     nodes = []
     for node in model.graph.node:
@@ -98,14 +106,10 @@ def extrema_differentiable(model):
                   _float_constant(zero, 0.0), _float_constant(one, 1.0),
                   onnx.helper.make_node("Where", [at, x, zero], [f"{name}__kept"]),
                   onnx.helper.make_node("Where", [at, one, zero], [f"{name}__each"])]
-        axes_input = list(node.input[1:2])  # opset 18: axes as an input
-        if axes is not None and opset >= 13:
-            axes_input = [f"{name}__axes"]
-            nodes.append(int64_constant(axes_input[0], axes))
+        axes_input = node.input[1] if len(node.input) > 1 else None  # opset 18: axes as an input
         for part in ("kept", "each"):
-            nodes.append(onnx.helper.make_node("ReduceSum", [f"{name}__{part}", *axes_input], [f"{name}__{part}_sum"],
-                                               keepdims=keepdims,
-                                               **({"axes": axes} if axes is not None and opset < 13 else {})))
+            nodes += _reduce_sum(f"{name}__{part}", f"{name}__{part}_sum", opset=opset, keepdims=keepdims, axes=axes,
+                                 axes_input=axes_input)
         nodes.append(onnx.helper.make_node("Div", [f"{name}__kept_sum", f"{name}__each_sum"], [node.output[0]]))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
