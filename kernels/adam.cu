@@ -92,20 +92,24 @@ struct OrtAdamOp {
 };
 
 // One Adam step (t = step, 1-based) over the whole flat buffer.
-// divisor_ptr: device double S (may be null, then divisor_value).
+// divisor_ptr: device double S (may be null, then divisor_value; NaN: skip); counters, lr_table
+// (may be null): the device counters and lr schedule of loss scaling (common.cuh), which then
+// decide t and the lr.
 extern "C" __global__ void __launch_bounds__(ORT_BLOCK)
 ort_trainer_adam_step_f32(float* w, const float* g, float* m, float* v, const OrtGroup* groups,
                           int ngroups, ort_i64 n, double lr, ort_i64 step,
-                          const double* divisor_ptr, double divisor_value) {
+                          const double* divisor_ptr, double divisor_value,
+                          const double* counters, const double* lr_table) {
+    if (ort_skipped(divisor_ptr)) return;
     OrtAdamOp op;
+    op.t = ort_update_index(step, counters);
     op.w = w;
     op.g = g;
     op.m = m;
     op.v = v;
-    op.lr_d = lr;
-    op.lr = (float)lr;
+    op.lr_d = ort_update_lr(lr, lr_table, op.t);
+    op.lr = (float)op.lr_d;
     op.inv_s = ort_inv_divisor(divisor_ptr, divisor_value);
-    op.t = step;
     op.alpha = op.oma = op.beta = op.omb = op.eps = 0.0f;
     op.inv_c1 = op.inv_c2 = op.step_size = op.decay = 0.0f;
     op.mode = 0;

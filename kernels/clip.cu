@@ -2,7 +2,9 @@
 //   sumsq:   per-block sums of grad^2 (squares and sums in double: a finite fp32 square cannot
 //            overflow, so the total is finite exactly when every gradient is finite)
 //   divisor: second stage, one block: N = sqrt(sum), S = loss_scale, S = N / max_norm when
-//            N > S * max_norm; out = [sum, N, S] (out + 2 is what the optimizer kernels read)
+//            N > S * max_norm; out = [sum, N, S] (out + 2 is what the optimizer kernels read).
+//            Under loss scaling (skip_non_finite) the scale is read on the device and a
+//            non-finite N gives S = NaN: the optimizer kernels skip the update.
 // The reduction order depends only on n and the grid, so the norm is deterministic.
 // Oracle: _optim_cpu.clip_divisor (the rule: _optim_reference.clip_divisor_from_norm).
 #include "common.cuh"
@@ -30,9 +32,12 @@ ort_trainer_clip_sumsq_f32(const float* g, ort_i64 n, double* partials) {
 
 // Stage 2, launched with one block: the sum, the norm and the divisor. out: 3 doubles
 // [sum of squares, N, S]. max_norm = inf gives S = loss_scale (sum of squares only).
+// scale_ptr (may be null, then loss_scale): the device loss scale; skip_non_finite: S = NaN
+// when N is not finite.
 extern "C" __global__ void __launch_bounds__(ORT_BLOCK)
 ort_trainer_clip_divisor_f32(const double* partials, int nparts, double max_norm,
-                             double loss_scale, double* out) {
+                             double loss_scale, const double* scale_ptr, int skip_non_finite,
+                             double* out) {
     __shared__ double shm[64];
     double s = 0.0;
     for (int k = threadIdx.x; k < nparts; k += blockDim.x) s += partials[k];
@@ -40,8 +45,9 @@ ort_trainer_clip_divisor_f32(const double* partials, int nparts, double max_norm
     ort_block_sum2(s, unused, shm);
     if (threadIdx.x == 0) {
         const double norm = sqrt(s);
-        double divisor = loss_scale;
+        double divisor = scale_ptr != nullptr ? *scale_ptr : loss_scale;
         if (norm > divisor * max_norm) divisor = norm / max_norm;
+        if (skip_non_finite != 0 && !ort_isfinite(norm)) divisor = 0.0 / 0.0;
         out[0] = s;
         out[1] = norm;
         out[2] = divisor;

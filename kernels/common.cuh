@@ -12,7 +12,11 @@
 //   - scalars that depend on the step (bias corrections, lr * r) are derived in double on the
 //     device, once per thread and group, from double hyperparameters;
 //   - the gradient divisor S is read from device memory when divisor_ptr is not null (the
-//     output of clip), otherwise divisor_value is used: no host sync anywhere in a step.
+//     output of clip), otherwise divisor_value is used: no host sync anywhere in a step;
+//   - S = NaN marks an update skipped for non-finite gradients (clip.cu writes it under loss
+//     scaling): every optimizer kernel then returns without writing anything;
+//   - under loss scaling the update counters live on the device (OrtCounters below): the
+//     kernels read t from them, and the lr from a table of the schedule indexed by t.
 #ifndef ORT_TRAINER_COMMON_CUH
 #define ORT_TRAINER_COMMON_CUH
 
@@ -46,6 +50,28 @@ static_assert(sizeof(OrtChunk) == 24, "OrtChunk must match _kernels.CHUNK_DTYPE"
 __device__ __forceinline__ float ort_inv_divisor(const double* divisor_ptr, double divisor_value) {
     const double s = divisor_ptr != nullptr ? *divisor_ptr : divisor_value;
     return (float)(1.0 / s);
+}
+
+// True when S marks a skipped update (NaN; without loss scaling S is never NaN).
+__device__ __forceinline__ bool ort_skipped(const double* divisor_ptr) {
+    return divisor_ptr != nullptr && !(*divisor_ptr == *divisor_ptr);
+}
+
+// The device counters of loss-scaled training (amp.cu writes them after each update), doubles:
+#define ORT_UPDATES_APPLIED 0  // updates applied so far (skipped ones not counted)
+#define ORT_STABLE_STEPS 1     // consecutive finite updates since the scale last moved
+#define ORT_LAST_FINITE 2      // 1 when the last update was applied, 0 when it was skipped
+#define ORT_LOSS_SCALE 3       // the loss scale, in double (the graph reads an fp32 copy)
+#define ORT_COUNTERS 4
+
+// t (1-based) of this update: from the device counters when given, else the host's `step`.
+__device__ __forceinline__ ort_i64 ort_update_index(ort_i64 step, const double* counters) {
+    return counters != nullptr ? (ort_i64)counters[ORT_UPDATES_APPLIED] + 1 : step;
+}
+
+// The lr of update t: lr_table[t - 1] when given (the schedule, filled ahead by the host), else lr.
+__device__ __forceinline__ double ort_update_lr(double lr, const double* lr_table, ort_i64 t) {
+    return lr_table != nullptr ? lr_table[t - 1] : lr;
 }
 
 // True when every pointer is 16-byte aligned, so float4 accesses at indices that are

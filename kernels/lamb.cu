@@ -97,8 +97,10 @@ extern "C" __global__ void __launch_bounds__(ORT_BLOCK)
 ort_trainer_lamb_direction_f32(const float* w, const float* g, float* m, float* v, float* dbuf,
                                const OrtGroup* groups, const OrtChunk* chunks, int nchunks,
                                ort_i64 step, const double* divisor_ptr, double divisor_value,
-                               double* partials) {
+                               const double* counters, double* partials) {
     __shared__ double shm[64];
+    if (ort_skipped(divisor_ptr)) return;  // uniform over the grid: no barrier is left waiting
+    const ort_i64 t = ort_update_index(step, counters);
     OrtLambDirectionOp op;
     op.w = w;
     op.g = g;
@@ -111,7 +113,7 @@ ort_trainer_lamb_direction_f32(const float* w, const float* g, float* m, float* 
     for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {  // block-uniform loop
         const OrtChunk ch = chunks[c];
         if (ch.group != current) {
-            op.set_group(groups[ch.group], step);
+            op.set_group(groups[ch.group], t);
             current = ch.group;
         }
         op.sw = 0.0;
@@ -128,10 +130,15 @@ ort_trainer_lamb_direction_f32(const float* w, const float* g, float* m, float* 
 
 // Phase 2: per segment, the norms from its chunks' partials and lr_ratio[seg] = lr * r.
 // seg_chunk[seg] .. seg_chunk[seg + 1]: the segment's chunks. One block per segment.
+// divisor_ptr, counters, lr_table (may be null): as in phase 1, the skip, t and the lr of t.
 extern "C" __global__ void __launch_bounds__(ORT_BLOCK)
 ort_trainer_lamb_ratio_f32(const double* partials, const OrtChunk* chunks, const int* seg_chunk,
-                           const OrtGroup* groups, int nseg, double lr, double* lr_ratio) {
+                           const OrtGroup* groups, int nseg, double lr, ort_i64 step,
+                           const double* divisor_ptr, const double* counters,
+                           const double* lr_table, double* lr_ratio) {
     __shared__ double shm[64];
+    if (ort_skipped(divisor_ptr)) return;
+    lr = ort_update_lr(lr, lr_table, ort_update_index(step, counters));
     for (int seg = blockIdx.x; seg < nseg; seg += gridDim.x) {  // block-uniform loop
         const int c0 = seg_chunk[seg];
         const int c1 = seg_chunk[seg + 1];
@@ -182,7 +189,8 @@ struct OrtLambUpdateOp {
 // Phase 3: w -= lr * r * d where the result is finite. One block per chunk (grid-stride).
 extern "C" __global__ void __launch_bounds__(ORT_BLOCK)
 ort_trainer_lamb_update_f32(float* w, const float* dbuf, const OrtChunk* chunks, int nchunks,
-                            const double* lr_ratio) {
+                            const double* divisor_ptr, const double* lr_ratio) {
+    if (ort_skipped(divisor_ptr)) return;
     OrtLambUpdateOp op;
     op.w = w;
     op.dbuf = dbuf;

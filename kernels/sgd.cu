@@ -66,19 +66,23 @@ struct OrtSgdOp {
 };
 
 // One SGD step over the whole flat buffer (n elements, ngroups groups).
-// divisor_ptr: device double S (may be null, then divisor_value); first: nonzero on the first
-// step (the momentum buffer is then initialised to g and never read).
+// divisor_ptr: device double S (may be null, then divisor_value; NaN: skip); first: nonzero on
+// the first step (the momentum buffer is then initialised to g and never read); counters,
+// lr_table (may be null): the device counters and lr schedule of loss scaling (common.cuh), which
+// then decide `first` and the lr.
 extern "C" __global__ void __launch_bounds__(ORT_BLOCK)
 ort_trainer_sgd_step_f32(float* w, const float* g, float* buf, const OrtGroup* groups, int ngroups,
                          ort_i64 n, double lr, const double* divisor_ptr, double divisor_value,
-                         int first) {
+                         int first, const double* counters, const double* lr_table) {
+    if (ort_skipped(divisor_ptr)) return;
+    const ort_i64 t = ort_update_index(first != 0 ? 1 : 2, counters);
     OrtSgdOp op;
     op.w = w;
     op.g = g;
     op.buf = buf;
-    op.lr = (float)lr;
+    op.lr = (float)ort_update_lr(lr, lr_table, t);
     op.inv_s = ort_inv_divisor(divisor_ptr, divisor_value);
-    op.first = first != 0;
+    op.first = t == 1;
     op.momentum = 0.0f;
     op.omd = 1.0f;
     op.lambda = 0.0f;

@@ -1,8 +1,8 @@
 """What can be checked about the CUDA kernels without a GPU (runs in CI).
 
-- Every ``kernels/*.cu``, as ``_kernels.kernel_source`` hands it to NVRTC, compiles to PTX with
-  ``nvcc -ptx`` under the same options (``_kernels.NVRTC_OPTIONS`` plus the ``-ftz=true`` CuPy
-  appends), warnings as errors, and exports exactly the entry points ``_kernels.KERNELS`` names.
+- Every ``kernels/*.cu``, as ``cuda_launch.kernel_source`` hands it to NVRTC, compiles to PTX with
+  ``nvcc -ptx`` under the same options (``cuda_launch.NVRTC_OPTIONS`` plus the ``-ftz=true`` CuPy
+  appends), warnings as errors, and exports exactly the entry points ``cuda_launch.KERNELS`` names.
   Skipped only where nvcc is not on PATH.
 - The mirrors between the C++ and Python sides agree: launch constants, struct sizes, the
   OrtGroup field of every hyperparameter.
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from ort_trainer._optimizers import cuda as K
+from ort_trainer._optimizers import cuda_launch as L
 from ort_trainer._optimizers import cuda_tables as T
 from ort_trainer._optimizers.flat import FlatLayout
 from ort_trainer._runtime.cuda import NVRTC11, CudaUnavailable, preload_cuda11_libraries
@@ -56,23 +57,23 @@ def nvcc_options(nvrtc_options):
 
 def test_every_kernel_file_is_known():
     on_disk = sorted(p.name[:-3] for p in _files().iterdir() if p.name.endswith(".cu"))
-    assert on_disk == sorted(K.KERNELS)
+    assert on_disk == sorted(L.KERNELS)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("arch", ARCHES)
-@pytest.mark.parametrize("family", sorted(K.KERNELS))
+@pytest.mark.parametrize("family", sorted(L.KERNELS))
 def test_kernel_compiles_to_ptx(family, arch, tmp_path):
     source = tmp_path / f"{family}.cu"
-    source.write_text(K.kernel_source(family), encoding="utf-8")
+    source.write_text(L.kernel_source(family), encoding="utf-8")
     ptx = tmp_path / f"{family}.ptx"
-    command = [NVCC, "-ptx", f"-arch={arch}", *nvcc_options(K.NVRTC_OPTIONS + CUPY_APPENDED_OPTIONS),
+    command = [NVCC, "-ptx", f"-arch={arch}", *nvcc_options(L.NVRTC_OPTIONS + CUPY_APPENDED_OPTIONS),
                "-Werror", "all-warnings", str(source), "-o", str(ptx)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, (f"nvcc failed ({result.returncode}): {' '.join(command)}\n"
                                     f"{result.stdout}{result.stderr}")
     entries = re.findall(r"\.entry\s+(\w+)\s*\(", ptx.read_text())
-    assert sorted(entries) == sorted(K.KERNELS[family])
+    assert sorted(entries) == sorted(L.KERNELS[family])
 
 
 def _nvrtc11():
@@ -111,23 +112,23 @@ NVRTC11_LIBRARY = _nvrtc11()
 
 @pytest.mark.skipif(NVRTC11_LIBRARY is None, reason="nvidia-cuda-nvrtc-cu11 is not installed")
 @pytest.mark.parametrize("arch", ARCHES)
-@pytest.mark.parametrize("family", sorted(K.KERNELS))
+@pytest.mark.parametrize("family", sorted(L.KERNELS))
 def test_kernel_compiles_with_nvrtc_11(family, arch):
     """What CuPy does on a user's GPU: NVRTC 11.8 compiles the source with our options and the
     device's architecture, no warning (nvcc above is CUDA 13's)."""
     major, minor = ctypes.c_int(), ctypes.c_int()
     NVRTC11_LIBRARY.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     assert major.value == 11
-    options = [*K.NVRTC_OPTIONS, *CUPY_APPENDED_OPTIONS, f"--gpu-architecture={arch}"]
-    result, ptx, log = nvrtc_compile(NVRTC11_LIBRARY, K.kernel_source(family), f"{family}.cu", options)
+    options = [*L.NVRTC_OPTIONS, *CUPY_APPENDED_OPTIONS, f"--gpu-architecture={arch}"]
+    result, ptx, log = nvrtc_compile(NVRTC11_LIBRARY, L.kernel_source(family), f"{family}.cu", options)
     assert result == 0 and not log.strip(), f"NVRTC {major.value}.{minor.value} failed ({result}):\n{log}"
     entries = re.findall(r"\.entry\s+(\w+)\s*\(", ptx)
-    assert sorted(entries) == sorted(K.KERNELS[family])
+    assert sorted(entries) == sorted(L.KERNELS[family])
 
 
 def test_kernel_source_inlines_common_header():
-    for family in K.KERNELS:
-        text = K.kernel_source(family)
+    for family in L.KERNELS:
+        text = L.kernel_source(family)
         assert '#include "common.cuh"' not in [line.strip() for line in text.splitlines()]
         assert "struct OrtGroup" in text and text.startswith(f'#line 1 "{family}.cu"')
 
@@ -214,8 +215,8 @@ def test_chunk_table_invariants(sizes):
 
 def test_missing_cupy_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
-    monkeypatch.setattr(K, "_cupy", None)
-    monkeypatch.setattr(K, "_cupy_error", None)
+    monkeypatch.setattr(L, "_cupy", None)
+    monkeypatch.setattr(L, "_cupy_error", None)
     layout = FlatLayout.from_sizes([[4]], [ADAM])
     for _ in range(2):  # the recorded error is raised again, with the same context
         with pytest.raises(ImportError, match=re.escape(

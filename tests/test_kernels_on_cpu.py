@@ -1,7 +1,8 @@
 """The CUDA kernels run, without a GPU, on the CPU emulation of tests/cpu_cuda (g++, x86-64).
 
 The GPU kernel tests (tests/gpu/test_kernels_gpu.py: every kernel against the NumPy reference on
-random layouts, one step and a hundred, misaligned buffers, the argument checks) run in a
+random layouts, one step and a hundred, misaligned buffers, the argument checks;
+tests/gpu/test_loss_scaling_gpu.py: loss-scaled updates decided on the device) run in a
 subprocess where `import cupy` gives the emulation; the emulation itself is checked here: what it
 must catch (out-of-bounds writes, a barrier not every thread reaches, arguments of the wrong C
 type) and that its warps and barriers compute what CUDA's do.
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None or platform.machine(
 
 ROOT = Path(__file__).resolve().parents[1]
 # Needs a real stream and a busy GPU (the launches must not wait for the host).
-GPU_ONLY = "not test_step_needs_no_host_sync"
+GPU_ONLY = "not needs_no_host_sync"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def cp():
 def test_the_gpu_kernel_tests_pass_on_the_emulation():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.cpu_cuda.plugin",
-         "tests/gpu/test_kernels_gpu.py", "-k", GPU_ONLY],
+         "tests/gpu/test_kernels_gpu.py", "tests/gpu/test_loss_scaling_gpu.py", "-k", GPU_ONLY],
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -608,3 +608,15 @@ def test_cupy_backend_calls_kernels(monkeypatch):
         ("lamb", ("table", "lamb"), 4, dict(step=1, lr=0.5, grad_divisor=2.0)),
         ("lamb", ("table", "lamb"), 4, dict(step=2, lr=0.5, grad_divisor=1.0)),
     ]
+
+
+def test_device_counting_is_refused_on_the_cpu():
+    optimizer = opt.make_optimizer("AdamOptimizer", FlatLayout.from_sizes([[4]], [ADAM_HYPER]))
+    with pytest.raises(ValueError, match=re.escape(
+            "Adam.count_on_device: the counters are device arrays; this optimizer runs on 'cpu'")):
+        optimizer.count_on_device(np.zeros(4))
+    params = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match=re.escape(
+            "Adam.step: lr_table is indexed by the device update count: call count_on_device first")):
+        optimizer.step(params, np.ones(4, np.float32), 0.1, lr_table=np.ones(1))
+    assert optimizer.step_count == 0 and np.all(params == 1)

@@ -72,23 +72,56 @@ class FlatOptimizer:
         self.implementation = implementation
         self._xp = xp
         self.state = {name: xp.zeros(layout.size, dtype=xp.float32) for name in self.state_names}
+        self._counters = None  # CUDA loss scaling: the device counters that count the updates
         self.step_count = 0
         self._table = implementation.layout_table(layout, self.family)
+
+    def count_on_device(self, counters) -> None:
+        """Loss scaling on CUDA: from now on the updates are counted in ``counters``
+        (``cuda.device_counters``), where the kernels read t and the loss scaler's update counts
+        the applied ones; reading ``step_count`` is then a host sync."""
+        if self.device != "cuda":
+            raise ValueError(f"{type(self).__name__}.count_on_device: the counters are device arrays; this optimizer "
+                             f"runs on {self.device!r}")
+        counters[0] = float(self.step_count)
+        self._counters = counters
+
+    @property
+    def step_count(self) -> int:
+        """The number of updates applied."""
+        if self._counters is not None:
+            return int(self._counters[0].get())
+        return self._step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._step_count = int(value)
+        if self._counters is not None:
+            self._counters[0] = float(value)
 
     def _check_group(self, index: int, hyper: Mapping) -> None:
         """Rejects hyperparameter values the algorithm cannot run (names are checked already)."""
 
-    def step(self, params, grads, lr: float, grad_divisor=1.0) -> None:
+    def step(self, params, grads, lr: float, grad_divisor=1.0, lr_table=None) -> None:
         """In place: g = grads / grad_divisor, then the update. grads are not modified.
 
-        ``grad_divisor`` is a number or, on CUDA, ``clip_divisor``'s S (read on the device).
+        ``grad_divisor`` is a number or, on CUDA, ``clip_divisor``'s S (read on the device; NaN
+        skips the update). Counting on the device (``count_on_device``), the count is left to the
+        loss scaler's update and ``lr_table`` (the lr of each update t at [t - 1], a device
+        array) may replace ``lr``.
         """
         self._check_buffer("params", params)
         self._check_buffer("grads", grads)
-        self._step(params, grads, float(lr), grad_divisor)
-        self.step_count += 1
+        if self._counters is None:
+            if lr_table is not None:
+                raise ValueError(f"{type(self).__name__}.step: lr_table is indexed by the device update count: "
+                                 "call count_on_device first")
+            self._step(params, grads, float(lr), grad_divisor, {})
+            self._step_count += 1
+        else:
+            self._step(params, grads, float(lr), grad_divisor, {"counters": self._counters, "lr_table": lr_table})
 
-    def _step(self, params, grads, lr, grad_divisor):
+    def _step(self, params, grads, lr, grad_divisor, scaling):
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -145,9 +178,9 @@ class SGD(FlatOptimizer):
     state_names = ("momentum",)
     hyper_names = frozenset({"momentum", "nesterov", "lambda_coef", "dampening"})
 
-    def _step(self, params, grads, lr, grad_divisor):
+    def _step(self, params, grads, lr, grad_divisor, scaling):
         self.implementation.sgd_step(self._table, params, grads, self.state["momentum"], lr=lr,
-                                      grad_divisor=grad_divisor, first_step=self.step_count == 0)
+                                      grad_divisor=grad_divisor, first_step=self._step_count == 0, **scaling)
 
 
 class Adam(FlatOptimizer):
@@ -165,10 +198,10 @@ class Adam(FlatOptimizer):
                 f"{self.config_name}: param group {index}: weight_decay_mode must be 0 or 1, "
                 f"got {hyper['weight_decay_mode']!r}")
 
-    def _step(self, params, grads, lr, grad_divisor):
+    def _step(self, params, grads, lr, grad_divisor, scaling):
         self.implementation.adam_step(self._table, params, grads, self.state["exp_avg"],
-                                       self.state["exp_avg_sq"], step=self.step_count + 1, lr=lr,
-                                       grad_divisor=grad_divisor)
+                                       self.state["exp_avg_sq"], step=self._step_count + 1, lr=lr,
+                                       grad_divisor=grad_divisor, **scaling)
 
 
 class Lamb(FlatOptimizer):
@@ -183,11 +216,11 @@ class Lamb(FlatOptimizer):
     # ZeRO (CPU only): ``_optimizers.cpu.lamb_step``'s segment_sums hook, set by the sharded optimizer.
     segment_sums = None
 
-    def _step(self, params, grads, lr, grad_divisor):
+    def _step(self, params, grads, lr, grad_divisor, scaling):
         hook = {} if self.segment_sums is None else {"segment_sums": self.segment_sums}
         self.implementation.lamb_step(self._table, params, grads, self.state["exp_avg"],
-                                       self.state["exp_avg_sq"], step=self.step_count + 1, lr=lr,
-                                       grad_divisor=grad_divisor, **hook)
+                                       self.state["exp_avg_sq"], step=self._step_count + 1, lr=lr,
+                                       grad_divisor=grad_divisor, **hook, **scaling)
 
 
 _ALGORITHMS = {cls.config_name: cls for cls in (SGD, Adam, Lamb)}

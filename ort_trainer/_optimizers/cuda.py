@@ -1,17 +1,13 @@
 """The CUDA implementation of the flat-buffer optimizers: CuPy launch wrappers for the kernels
-in ``kernels/*.cu``, with the functional steps and the clip divisor that ``_optimizers`` calls
-for device 'cuda' (the contract: DESIGN.md, "Optimizers").
-
-Each ``kernels/<family>.cu`` is read once per process (``importlib.resources``), with
-``common.cuh`` pasted in place of its ``#include`` so that CuPy's on-disk cache key (a hash of
-the source text) follows header edits, compiled by NVRTC through ``cupy.RawModule(code=...,
-options=NVRTC_OPTIONS)`` once per device, and launched by the thin wrappers below, which check
-dtype, contiguity, sizes and device first. CuPy is imported on first use only: CPU-only installs
-import this module fine, and the first GPU call raises an ImportError that says what to install.
+in ``kernels/*.cu``, with the functional steps, the clip divisor and the loss scaler's update
+that ``_optimizers`` calls for device 'cuda' (the contract: DESIGN.md, "Optimizers"). The
+kernels are compiled once per process (``_optimizers.cuda_launch``); the thin wrappers below
+check dtype, contiguity, sizes and device first.
 
 All launches go to the current stream of the arrays' device; nothing here synchronizes with the
 host: a gradient divisor may be a one-element device array (``clip_divisor``'s S), read on the
-device.
+device, and under loss scaling the update counters and the lr schedule are device arrays too
+(``device_counters``, kernels/common.cuh): S = NaN skips an update on the device.
 
 Numerics: fp32 elementwise math with IEEE division and sqrt; CuPy appends ``-ftz=true`` to the
 options, so fp32 denormals flush to zero. Step-dependent scalars (bias corrections, lr * ratio)
@@ -19,176 +15,16 @@ and every sum of squares are computed in double, in a fixed order (deterministic
 """
 from __future__ import annotations
 
-import functools
-import importlib.resources
 import math
-import threading
 
 import numpy as np
 
+from .cuda_launch import (KERNELS, NULL, check_float32, describe, device_scalar, grid_stride_blocks, kernel_function,
+                          require_cupy, vector_blocks)
 from .cuda_tables import BLOCK, GROUP_FIELDS, MAX_PARTIALS, chunk_table, group_table
 
-#: Options for NVRTC (CuPy adds ``-arch`` for the device, and ``-ftz=true`` after these).
-#: tests/test_kernels_compile.py compiles every kernel with nvcc using these same options.
-NVRTC_OPTIONS = ("--std=c++17",)
-
-_BLOCKS_PER_SM = 32  # grid cap of the grid-stride kernels, per multiprocessor
-
-#: The ``extern "C"`` entry points of each kernel file.
-KERNELS = {
-    "sgd": ("ort_trainer_sgd_step_f32",),
-    "adam": ("ort_trainer_adam_step_f32",),
-    "lamb": ("ort_trainer_lamb_direction_f32", "ort_trainer_lamb_ratio_f32",
-             "ort_trainer_lamb_update_f32"),
-    "clip": ("ort_trainer_clip_sumsq_f32", "ort_trainer_clip_divisor_f32"),
-}
-
-
-_INSTALL_HINT = "CuPy is required for the GPU optimizer: pip install 'ort-trainer[gpu]'"
-_INCLUDE = '#include "common.cuh"'
-_NULL = np.uint64(0)  # a null device pointer argument
-
-_cupy = None
-_cupy_error: ImportError | None = None
-_lock = threading.Lock()
-_modules: dict = {}  # (family, device id) -> cupy.RawModule
-_functions: dict = {}  # (kernel name, device id) -> cupy.RawKernel
-_sm_counts: dict = {}  # device id -> multiprocessor count
-
-
-# ----------------------------------------------------------------------------------------------
-# CuPy, sources, modules
-# ----------------------------------------------------------------------------------------------
-
-
-def require_cupy():
-    """The cupy module; the recorded ImportError, with what to install, if it is missing."""
-    global _cupy, _cupy_error
-    if _cupy is not None:
-        return _cupy
-    if _cupy_error is None:
-        try:
-            import cupy
-        except ImportError as error:
-            _cupy_error = error
-        else:
-            _cupy = cupy
-            return cupy
-    raise ImportError(f"{_INSTALL_HINT} (import cupy failed: {_cupy_error})") from _cupy_error
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_source(family: str) -> str:
-    """The text NVRTC compiles for ``kernels/<family>.cu``: common.cuh pasted in, #line kept."""
-    if family not in KERNELS:
-        raise ValueError(f"kernel family must be one of {sorted(KERNELS)}, got {family!r}")
-    files = importlib.resources.files("ort_trainer.kernels")
-    lines = files.joinpath(f"{family}.cu").read_text(encoding="utf-8").splitlines()
-    common = files.joinpath("common.cuh").read_text(encoding="utf-8").rstrip("\n")
-    at = [k for k, line in enumerate(lines) if line.strip() == _INCLUDE]
-    if len(at) != 1:
-        raise ValueError(f"kernels/{family}.cu must contain the line {_INCLUDE!r} exactly once, "
-                         f"found it {len(at)} times")
-    k = at[0]
-    return "\n".join([f'#line 1 "{family}.cu"', *lines[:k], '#line 1 "common.cuh"', common,
-                      f'#line {k + 2} "{family}.cu"', *lines[k + 1:]]) + "\n"
-
-
-def _function(family: str, name: str, device_id: int):
-    """The kernel ``name`` of ``kernels/<family>.cu`` on a device, compiled once per process."""
-    key = (name, device_id)
-    function = _functions.get(key)
-    if function is None:
-        cp = require_cupy()
-        with _lock:
-            function = _functions.get(key)
-            if function is None:
-                with cp.cuda.Device(device_id):
-                    module = _modules.get((family, device_id))
-                    if module is None:
-                        module = cp.RawModule(code=kernel_source(family), options=NVRTC_OPTIONS)
-                        _modules[(family, device_id)] = module
-                    function = module.get_function(name)
-                _functions[key] = function
-    return function
-
-
-def _sm_count(device_id: int) -> int:
-    count = _sm_counts.get(device_id)
-    if count is None:
-        cp = require_cupy()
-        count = _sm_counts[device_id] = int(
-            cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
-    return count
-
-
-def _vector_blocks(n: int) -> int:
-    """Blocks of BLOCK threads that cover n elements, 4 (one float4) per thread."""
-    return -(-n // (4 * BLOCK))
-
-
-def _grid_stride_blocks(n: int, device_id: int) -> int:
-    """Blocks for a grid-stride kernel over n elements taken 4 at a time."""
-    blocks = _vector_blocks(n)
-    return max(1, min(blocks, _sm_count(device_id) * _BLOCKS_PER_SM))
-
-
-# ----------------------------------------------------------------------------------------------
-# Argument checks
-# ----------------------------------------------------------------------------------------------
-
-
-def _describe(array) -> str:
-    kind = f"{type(array).__module__}.{type(array).__name__}"
-    if hasattr(array, "dtype") and hasattr(array, "shape"):
-        return f"{kind} {array.dtype} {tuple(array.shape)}"
-    return kind
-
-
-def _check_float32(cp, where: str, what: str, array, size: int | None, device_id: int | None):
-    """A contiguous cupy float32 array (of ``size`` elements, on ``device_id``, when given)."""
-    if not isinstance(array, cp.ndarray):
-        raise TypeError(f"{where}: {what} must be a cupy.ndarray, got {_describe(array)}")
-    if array.dtype != np.float32:
-        raise TypeError(f"{where}: {what} must be float32, got {_describe(array)}")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{where}: {what} must be C-contiguous, got a strided {_describe(array)}")
-    if size is not None and array.size != size:
-        raise ValueError(f"{where}: {what} must have {size} elements (the layout's size), "
-                         f"got {_describe(array)}")
-    if device_id is not None and array.device.id != device_id:
-        raise ValueError(f"{where}: {what} must be on cuda:{device_id}, "
-                         f"got one on cuda:{array.device.id}")
-
-
-def _device_scalar(cp, where: str, what: str, value, device_id: int):
-    """(pointer argument, value argument) for a kernel's ``const double* ptr, double value``.
-
-    A one-element cupy array is read on the device (converted to float64 on the device if
-    needed: no host sync); a Python number must be finite and > 0.
-    """
-    if isinstance(value, cp.ndarray):
-        if value.size != 1:
-            raise ValueError(f"{where}: {what} must be a number or a one-element cupy array, "
-                             f"got {_describe(value)}")
-        if value.device.id != device_id:
-            raise ValueError(f"{where}: {what} must be on cuda:{device_id}, "
-                             f"got one on cuda:{value.device.id}")
-        if value.dtype.kind != "f":
-            raise TypeError(f"{where}: {what} must be a floating-point array, got {_describe(value)}")
-        if value.dtype != np.float64:
-            with cp.cuda.Device(device_id):
-                value = value.astype(np.float64)
-        return value, np.float64(1.0)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{where}: {what} must be a number or a one-element cupy array, "
-                        f"got {_describe(value)}") from None
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{where}: {what} must be finite and > 0, got {value!r}")
-    return _NULL, np.float64(number)
-
+#: The device counters of loss-scaled training (common.cuh's ORT_UPDATES_APPLIED ...): float64.
+COUNTERS = ("updates_applied", "stable_steps", "last_finite", "loss_scale")
 
 # ----------------------------------------------------------------------------------------------
 # Layout tables
@@ -241,7 +77,7 @@ def _check_step(cp, where, table, family, **arrays):
     if not isinstance(table, LayoutTable) or table.family != family:
         raise TypeError(f"{where}: table must be layout_table(layout, {family!r}), got {table!r}")
     for what, array in arrays.items():
-        _check_float32(cp, where, what, array, table.size, table.device_id)
+        check_float32(cp, where, what, array, table.size, table.device_id)
 
 
 def _checked_moment_step(cp, where, table, step, grad_divisor, **arrays):
@@ -250,7 +86,7 @@ def _checked_moment_step(cp, where, table, step, grad_divisor, **arrays):
     _check_step(cp, where, table, where.split("_")[0], **arrays)
     if step < 1:
         raise ValueError(f"{where}: step must be >= 1 (t is 1-based), got {step!r}")
-    return _device_scalar(cp, where, "grad_divisor", grad_divisor, table.device_id)
+    return device_scalar(cp, where, "grad_divisor", grad_divisor, table.device_id)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,8 +94,27 @@ def _checked_moment_step(cp, where, table, step, grad_divisor, **arrays):
 # ----------------------------------------------------------------------------------------------
 
 
+def _float64_pointer(cp, where: str, what: str, array, device_id: int, size: int):
+    """The device pointer of an optional float64 array of at least ``size`` elements (NULL for None)."""
+    if array is None:
+        return NULL
+    if (not isinstance(array, cp.ndarray) or array.dtype != np.float64 or array.ndim != 1
+            or array.size < size or not array.flags.c_contiguous or array.device.id != device_id):
+        raise ValueError(f"{where}: {what} must be None or a contiguous 1-d float64 cupy array of at least {size} "
+                         f"elements on cuda:{device_id}, got {describe(array)}")
+    return array
+
+
+def _scaling_pointers(cp, where, table, counters, lr_table):
+    """(counters, lr_table) pointers of a step: ``device_counters`` and the lr schedule it indexes."""
+    if lr_table is not None and counters is None:
+        raise ValueError(f"{where}: lr_table is indexed by the device update count: pass counters too")
+    return (_float64_pointer(cp, where, "counters", counters, table.device_id, len(COUNTERS)),
+            _float64_pointer(cp, where, "lr_table", lr_table, table.device_id, 1))
+
+
 def sgd_step(table: LayoutTable, params, grads, momentum, *, lr: float, grad_divisor=1.0,
-             first_step: bool) -> None:
+             first_step: bool, counters=None, lr_table=None) -> None:
     """One SGD step in place (torch.optim.SGD semantics, see kernels/sgd.cu).
 
     Args:
@@ -267,24 +122,26 @@ def sgd_step(table: LayoutTable, params, grads, momentum, *, lr: float, grad_div
         params, grads, momentum: flat float32 buffers (momentum is neither read on the first step
             nor written by groups whose momentum is 0).
         lr: the learning rate.
-        grad_divisor: S in g = grads / S, a number or a one-element device array.
+        grad_divisor: S in g = grads / S, a number or a one-element device array (NaN: skip).
         first_step: True on the first update (the momentum buffer starts at g).
+        counters, lr_table: ``device_counters`` and the lr of each update (lr_table[t - 1]):
+            when given, they decide the first step and the lr on the device.
     """
     cp = require_cupy()
     where = "sgd_step"
     _check_step(cp, where, table, "sgd", params=params, grads=grads, momentum=momentum)
-    divisor_ptr, divisor_value = _device_scalar(cp, where, "grad_divisor", grad_divisor,
-                                                table.device_id)
-    kernel = _function("sgd", "ort_trainer_sgd_step_f32", table.device_id)
+    divisor_ptr, divisor_value = device_scalar(cp, where, "grad_divisor", grad_divisor, table.device_id)
+    counters_ptr, lr_table_ptr = _scaling_pointers(cp, where, table, counters, lr_table)
+    kernel = kernel_function("sgd", "ort_trainer_sgd_step_f32", table.device_id)
     with cp.cuda.Device(table.device_id):
-        kernel((_grid_stride_blocks(table.size, table.device_id),), (BLOCK,),
-               (params, grads, momentum, table.groups, np.int32(table.ngroups),
-                np.int64(table.size), np.float64(lr), divisor_ptr, divisor_value,
-                np.int32(bool(first_step))))
+        kernel((grid_stride_blocks(table.size, table.device_id),), (BLOCK,),
+               (params, grads, momentum, table.groups, np.int32(table.ngroups), np.int64(table.size),
+                np.float64(lr), divisor_ptr, divisor_value, np.int32(bool(first_step)), counters_ptr,
+                lr_table_ptr))
 
 
 def adam_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float,
-              grad_divisor=1.0) -> None:
+              grad_divisor=1.0, counters=None, lr_table=None) -> None:
     """One Adam step in place (the original AdamOptimizer, see kernels/adam.cu).
 
     Args:
@@ -292,21 +149,25 @@ def adam_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
         params, grads, exp_avg, exp_avg_sq: flat float32 buffers.
         step: t, the 1-based index of this update (bias corrections 1 - alpha^t, 1 - beta^t).
         lr: the learning rate.
-        grad_divisor: S in g = grads / S, a number or a one-element device array.
+        grad_divisor: S in g = grads / S, a number or a one-element device array (NaN: skip).
+        counters, lr_table: ``device_counters`` and the lr of each update (lr_table[t - 1]):
+            when given, t and the lr are read on the device (``step`` and ``lr`` are not used).
     """
     cp = require_cupy()
-    divisor_ptr, divisor_value = _checked_moment_step(cp, "adam_step", table, step, grad_divisor, params=params,
+    where = "adam_step"
+    divisor_ptr, divisor_value = _checked_moment_step(cp, where, table, step, grad_divisor, params=params,
                                                       grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    kernel = _function("adam", "ort_trainer_adam_step_f32", table.device_id)
+    counters_ptr, lr_table_ptr = _scaling_pointers(cp, where, table, counters, lr_table)
+    kernel = kernel_function("adam", "ort_trainer_adam_step_f32", table.device_id)
     with cp.cuda.Device(table.device_id):
-        kernel((_grid_stride_blocks(table.size, table.device_id),), (BLOCK,),
+        kernel((grid_stride_blocks(table.size, table.device_id),), (BLOCK,),
                (params, grads, exp_avg, exp_avg_sq, table.groups, np.int32(table.ngroups),
-                np.int64(table.size), np.float64(lr), np.int64(step), divisor_ptr,
-                divisor_value))
+                np.int64(table.size), np.float64(lr), np.int64(step), divisor_ptr, divisor_value,
+                counters_ptr, lr_table_ptr))
 
 
 def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float,
-              grad_divisor=1.0) -> None:
+              grad_divisor=1.0, counters=None, lr_table=None) -> None:
     """One Lamb step in place (the original LambOptimizer, see kernels/lamb.cu): three launches
     (direction + per-chunk sums of squares, per-tensor trust ratio, update).
 
@@ -315,13 +176,16 @@ def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
         params, grads, exp_avg, exp_avg_sq: flat float32 buffers.
         step: t, the 1-based index of this update.
         lr: the learning rate.
-        grad_divisor: S in g = grads / S, a number or a one-element device array.
+        grad_divisor: S in g = grads / S, a number or a one-element device array (NaN: skip).
+        counters, lr_table: as in ``adam_step``.
     """
     cp = require_cupy()
-    divisor_ptr, divisor_value = _checked_moment_step(cp, "lamb_step", table, step, grad_divisor, params=params,
+    where = "lamb_step"
+    divisor_ptr, divisor_value = _checked_moment_step(cp, where, table, step, grad_divisor, params=params,
                                                       grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+    counters_ptr, lr_table_ptr = _scaling_pointers(cp, where, table, counters, lr_table)
     direction_kernel, ratio_kernel, update_kernel = (
-        _function("lamb", name, table.device_id) for name in KERNELS["lamb"])
+        kernel_function("lamb", name, table.device_id) for name in KERNELS["lamb"])
     with cp.cuda.Device(table.device_id):
         if table.direction is None:
             table.direction = cp.empty(table.size, dtype=np.float32)
@@ -329,12 +193,12 @@ def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
         direction_kernel((table.nchunks,), (BLOCK,),
                          (params, grads, exp_avg, exp_avg_sq, table.direction, table.groups,
                           table.chunks, nchunks, np.int64(step), divisor_ptr, divisor_value,
-                          table.partials))
+                          counters_ptr, table.partials))
         ratio_kernel((table.nseg,), (BLOCK,),
-                     (table.partials, table.chunks, table.seg_chunk, table.groups,
-                      np.int32(table.nseg), np.float64(lr), table.lr_ratio))
+                     (table.partials, table.chunks, table.seg_chunk, table.groups, np.int32(table.nseg),
+                      np.float64(lr), np.int64(step), divisor_ptr, counters_ptr, lr_table_ptr, table.lr_ratio))
         update_kernel((table.nchunks,), (BLOCK,),
-                      (params, table.direction, table.chunks, nchunks, table.lr_ratio))
+                      (params, table.direction, table.chunks, nchunks, divisor_ptr, table.lr_ratio))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,7 +208,7 @@ def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
 
 def _partial_count(n: int) -> int:
     """Blocks of the sum-of-squares pass over n values (each reduces 4 per thread per round)."""
-    return 0 if n == 0 else min(MAX_PARTIALS, _vector_blocks(n))
+    return 0 if n == 0 else min(MAX_PARTIALS, vector_blocks(n))
 
 
 def clip_buffers(n: int, device_id: int) -> dict:
@@ -356,18 +220,20 @@ def clip_buffers(n: int, device_id: int) -> dict:
                 "partials": cp.empty(max(_partial_count(n), 1), dtype=np.float64)}
 
 
-def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out, partials=None):
+def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out, partials=None, counters=None):
     """out = [sum of squares, N, S] (float64, on grads' device): two launches."""
     cp = require_cupy()
-    _check_float32(cp, where, "grads", grads, None, None)
+    check_float32(cp, where, "grads", grads, None, None)
     device_id = grads.device.id
+    counters_ptr = _float64_pointer(cp, where, "counters", counters, device_id, len(COUNTERS))
+    scale_ptr = NULL if counters is None else counters[COUNTERS.index("loss_scale"):]
     with cp.cuda.Device(device_id):
         if out is None:
             out = cp.empty(3, dtype=np.float64)
         elif (not isinstance(out, cp.ndarray) or out.dtype != np.float64 or out.shape != (3,)
               or not out.flags.c_contiguous or out.device.id != device_id):
             raise ValueError(f"{where}: out must be a contiguous float64 cupy array of shape (3,) "
-                             f"on cuda:{device_id}, got {_describe(out)}")
+                             f"on cuda:{device_id}, got {describe(out)}")
         n = int(grads.size)
         nparts = _partial_count(n)
         if partials is None:
@@ -376,13 +242,13 @@ def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out, partial
               or partials.size < max(nparts, 1) or not partials.flags.c_contiguous
               or partials.device.id != device_id):
             raise ValueError(f"{where}: partials must be a contiguous 1-d float64 cupy array of at least "
-                             f"{max(nparts, 1)} elements on cuda:{device_id}, got {_describe(partials)}")
+                             f"{max(nparts, 1)} elements on cuda:{device_id}, got {describe(partials)}")
         if nparts:
-            _function("clip", "ort_trainer_clip_sumsq_f32", device_id)(
+            kernel_function("clip", "ort_trainer_clip_sumsq_f32", device_id)(
                 (nparts,), (BLOCK,), (grads, np.int64(n), partials))
-        _function("clip", "ort_trainer_clip_divisor_f32", device_id)(
-            (1,), (BLOCK,), (partials, np.int32(nparts), np.float64(max_norm),
-                             np.float64(loss_scale), out))
+        kernel_function("clip", "ort_trainer_clip_divisor_f32", device_id)(
+            (1,), (BLOCK,), (partials, np.int32(nparts), np.float64(max_norm), np.float64(loss_scale),
+                             scale_ptr, np.int32(counters_ptr is not NULL), out))
     return out
 
 
@@ -396,16 +262,18 @@ def sum_of_squares(grads, out=None):
     return _reduce_grads("sum_of_squares", grads, math.inf, 1.0, out)[0]
 
 
-def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None, partials=None):
+def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None, partials=None, counters=None):
     """The clip divisor S on the device: ``_optimizers.reference.clip_divisor_from_norm`` on
     N = ||grads||_2, in two launches, no host sync.
 
     Args:
         grads: a contiguous cupy float32 array.
-        max_norm: the clip norm, > 0.
+        max_norm: the clip norm, > 0 (inf: no clipping).
         loss_scale: the loss scale the gradients carry, > 0 (1.0 without mixed precision).
         out: optional float64 cupy array of shape (3,), filled with [N**2, N, S].
         partials: optional float64 cupy scratch (``clip_buffers`` makes both).
+        counters: ``device_counters`` of loss scaling: the loss scale is read from them instead,
+            and a non-finite N gives S = NaN, which makes the steps skip the update.
 
     Returns:
         (S, N): 0-d float64 views of ``out``; pass S as ``grad_divisor`` to a step.
@@ -415,6 +283,38 @@ def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, out=None, part
         raise ValueError(f"{where}: max_norm must be > 0, got {max_norm!r}")
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"{where}: loss_scale must be finite and > 0, got {loss_scale!r}")
-    out = _reduce_grads(where, grads, float(max_norm), float(loss_scale), out, partials)
+    out = _reduce_grads(where, grads, float(max_norm), float(loss_scale), out, partials, counters)
     return out[2], out[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss scaling on the device
+# ----------------------------------------------------------------------------------------------
+
+
+def device_counters(loss_scale: float, device_id: int):
+    """The float64 device array of ``COUNTERS`` that loss-scaled updates keep on the device:
+    no update applied, none stable, the last one finite, ``loss_scale``."""
+    cp = require_cupy()
+    with cp.cuda.Device(device_id):
+        return cp.asarray(np.array([0.0, 0.0, 1.0, loss_scale], dtype=np.float64))
+
+
+def loss_scaler_update(divisor, counters, graph_scale, *, up_scale_window: int, min_loss_scale: float,
+                       max_loss_scale: float, automatic: bool) -> None:
+    """After an update's steps (kernels/amp.cu): counts it unless ``divisor`` (``clip_divisor``'s S
+    under ``counters``) marked it skipped, and moves the scale as ``DynamicLossScaler.update``
+    does (``automatic``) in ``counters`` and in the fp32 0-d ``graph_scale`` the graph reads."""
+    cp = require_cupy()
+    where = "loss_scaler_update"
+    device_id = counters.device.id if isinstance(counters, cp.ndarray) else None
+    _float64_pointer(cp, where, "counters", counters, device_id, len(COUNTERS))
+    divisor_ptr, _ = device_scalar(cp, where, "divisor", divisor, device_id)
+    check_float32(cp, where, "graph_scale", graph_scale, 1, device_id)
+    if divisor_ptr is NULL:
+        raise TypeError(f"{where}: divisor must be the one-element cupy array clip_divisor returned, got {divisor!r}")
+    with cp.cuda.Device(device_id):
+        kernel_function("amp", "ort_trainer_amp_update", device_id)(
+            (1,), (32,), (divisor_ptr, counters, graph_scale, np.int64(up_scale_window), np.float64(min_loss_scale),
+                          np.float64(max_loss_scale), np.int32(bool(automatic))))
 

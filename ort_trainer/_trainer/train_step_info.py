@@ -41,19 +41,31 @@ def _count(name, value):
 
 
 class _Checked:
-    """An attribute whose every assignment is checked: a refused one leaves the old value."""
+    """An attribute whose every assignment is checked: a refused one leaves the old value.
+    `mirrored` ones are kept on the device by a trainer under loss scaling on CUDA (its
+    `_mirror`, `_trainer.device_scaling`): read from there, and written back."""
 
-    def __init__(self, check):
-        self._check = check
+    def __init__(self, check, *, mirrored=False):
+        self._check, self._mirrored = check, mirrored
 
     def __set_name__(self, owner, name):
         self._name, self._slot = name, f"_{name}"
 
     def __get__(self, info, owner=None):
-        return self if info is None else getattr(info, self._slot)
+        if info is None:
+            return self
+        if self._mirrored and info._mirror is not None:
+            info._mirror.pull()
+        return getattr(info, self._slot)
 
     def __set__(self, info, value):
-        setattr(info, self._slot, self._check(self._name, value))
+        value = self._check(self._name, value)
+        mirror = info._mirror if self._mirrored else None
+        if mirror is not None:
+            mirror.pull()  # the other mirrored values, before this one is written back with them
+        setattr(info, self._slot, value)
+        if mirror is not None:
+            mirror.push()
 
 
 class TrainStepInfo:
@@ -70,10 +82,11 @@ class TrainStepInfo:
     """
 
     optimizer_config = _Checked(_optimizer_config)
-    all_finite = _Checked(_flag)
+    all_finite = _Checked(_flag, mirrored=True)
     fetches = _Checked(_fetches)
-    optimization_step = _Checked(_count)
+    optimization_step = _Checked(_count, mirrored=True)
     step = _Checked(_count)
+    _mirror = None
 
     def __init__(self, optimizer_config, all_finite=True, fetches=None, optimization_step=0, step=0):
         self.optimizer_config = optimizer_config

@@ -24,6 +24,7 @@ from ..optim._config import _OptimizerConfig
 from . import checkpoint as _checkpoint
 from . import distributed as _distributed
 from . import legacy_checkpoint as _legacy_checkpoint
+from .device_scaling import DeviceScaling, runs_on_device
 from .inputs import InputChecks
 from .mixed_precision import mixed_precision
 from .train_step_info import TrainStepInfo
@@ -94,6 +95,7 @@ class ORTTrainer:
         with self._placement.allocating():
             precision = mixed_precision(options.mixed_precision, self._placement.ort_device, self._placement.xp)
         self._loss_scaler, self._loss_scale = precision.scaler, precision.scale
+        self._device_scaling = None  # CUDA: loss-scaled updates decided on the device, from the first update
         self._graphs = GraphCache(options.utils.max_cached_graphs)
         self._state = ModuleState(model)
         if self._onnx_model is None:
@@ -144,14 +146,23 @@ class ORTTrainer:
     def _update(self):
         """One optimizer update from the (accumulated) gradients: unscaled, clipped by global
         norm, and skipped (weights and optimizer state untouched) when under loss scaling a
-        gradient is not finite."""
+        gradient is not finite. On CUDA under DynamicLossScaler all of it is decided on the device
+        (`device_scaling`), with no host sync."""
         info = self._train_step_info
-        lr = self._lr_scheduler._step(info)[0] if self._lr_scheduler is not None else self.optim_config.lr
         clip = self.options.utils.grad_norm_clip
+        max_norm = self.optim_config.max_norm_clip if clip else math.inf
+        if self._device_scaling is None and runs_on_device(self._placement.ort_device, self._loss_scaler):
+            self._device_scaling = DeviceScaling(
+                scaler=self._loss_scaler, graph_scale=self._loss_scale, info=info, scheduler=self._lr_scheduler,
+                optimizer=self._weights.optimizer, optim_config=self.optim_config, placement=self._placement,
+                size=self._weights.flat.grads.size)
+        if self._device_scaling is not None:
+            self._device_scaling.update(self._weights.flat, lr=self.optim_config.lr, max_norm=max_norm)
+            return
+        lr = self._lr_scheduler._step(info)[0] if self._lr_scheduler is not None else self.optim_config.lr
         divisor, info.all_finite = 1.0, True
         if clip or self._loss_scaler is not None:
             loss_scale = self._loss_scaler.loss_scale if self._loss_scaler is not None else 1.0
-            max_norm = self.optim_config.max_norm_clip if clip else math.inf
             divisor, norm = self._distributed.clip_divisor(self._weights.flat.grads, max_norm, loss_scale)
             info.all_finite = self._loss_scaler is None or math.isfinite(norm)  # a host sync, only then
         if info.all_finite:

@@ -17,6 +17,10 @@ class LossScaler(abc.ABC):
         loss_scale: the initial scale, > 0.
     """
 
+    #: Set by a trainer that keeps the scale on the device (``_trainer.device_scaling``): reads
+    #: ``pull`` the device's values first, writes ``push`` theirs back.
+    _mirror = None
+
     def __init__(self, loss_scale):
         self._initial_loss_scale = self._checked_scale(loss_scale)
         self.reset()
@@ -24,16 +28,33 @@ class LossScaler(abc.ABC):
     def _checked_scale(self, value) -> float:
         return validate("loss_scaler", {"loss_scale": value}, f"Invalid {type(self).__name__}")["loss_scale"]
 
+    def _pull(self):
+        if self._mirror is not None:
+            self._mirror.pull()
+
+    def _push(self):
+        if self._mirror is not None:
+            self._mirror.push()
+
     @property
     def loss_scale(self) -> float:
+        self._pull()
         return self._loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value):
-        self._loss_scale = self._checked_scale(value)
+        value = self._checked_scale(value)
+        self._pull()
+        self._loss_scale = value
+        self._push()
 
     def reset(self) -> None:
         """Back to the initial scale."""
+        self._pull()
+        self._reset()
+        self._push()
+
+    def _reset(self):
         self._loss_scale = self._initial_loss_scale
 
     @abc.abstractmethod
@@ -84,12 +105,12 @@ class DynamicLossScaler(LossScaler):
         self._loss_scale = config["loss_scale"]
         self._stable_steps = int(config.get("stable_steps", 0))
 
-    def reset(self) -> None:
-        """Back to the initial scale, with no finite updates counted."""
-        super().reset()
+    def _reset(self):
+        super()._reset()
         self._stable_steps = 0
 
     def update(self, train_step_info) -> float:
+        self._pull()
         if self.automatic_update:
             if train_step_info.all_finite:
                 self._stable_steps += 1
@@ -99,10 +120,12 @@ class DynamicLossScaler(LossScaler):
             else:
                 self._loss_scale = max(self.min_loss_scale, self._loss_scale / 2.0)
                 self._stable_steps = 0
+        self._push()
         return self._loss_scale
 
     def state_dict(self) -> dict:
         """Settings, current scale and finite-update count (plain values, for checkpoints)."""
+        self._pull()
         return {"type": type(self).__name__, "automatic_update": self.automatic_update,
                 "initial_loss_scale": self._initial_loss_scale, "loss_scale": self._loss_scale,
                 "up_scale_window": self.up_scale_window, "min_loss_scale": self.min_loss_scale,
@@ -111,4 +134,6 @@ class DynamicLossScaler(LossScaler):
     def load_state_dict(self, state: Mapping) -> None:
         """Restore ``state_dict()`` output; like torch's GradScaler, the checkpoint's settings win."""
         prefix = check_component_state(self, state)
+        self._pull()
         self._configure(prefix, {key: value for key, value in state.items() if key != "type"})
+        self._push()

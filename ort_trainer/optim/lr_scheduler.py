@@ -25,6 +25,10 @@ class _LRScheduler:
     the original: the k-th update uses ``t = k`` (the original's first update had lr 0).
     """
 
+    #: Set by a trainer that evaluates the schedule ahead for updates decided on the device
+    #: (``_trainer.device_scaling``): ``pull`` sets the last lr first.
+    _mirror = None
+
     def __init__(self, **config):
         self._configure(f"Invalid {type(self).__name__}", config)
 
@@ -65,12 +69,16 @@ class _LRScheduler:
 
     def get_last_lr(self) -> list[float]:
         """``[lr]`` of the last update."""
+        if self._mirror is not None:
+            self._mirror.pull()
         if self._last_lr is None:
             raise RuntimeError(f"{type(self).__name__}.get_last_lr(): no update yet; the first train_step sets it")
         return list(self._last_lr)
 
     def state_dict(self) -> dict:
         """Hyperparameters and the last lr (plain values, for checkpoints)."""
+        if self._mirror is not None:
+            self._mirror.pull()
         last_lr = None if self._last_lr is None else list(self._last_lr)
         return {"type": type(self).__name__, **self._config, "last_lr": last_lr}
 

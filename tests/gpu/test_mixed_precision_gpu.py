@@ -13,7 +13,7 @@ onnxruntime = pytest.importorskip("onnxruntime")
 if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
     pytest.skip("needs ONNX Runtime's CUDA build and a CUDA torch", allow_module_level=True)
 
-from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
+from ort_trainer import ORTTrainer, ORTTrainerOptions, amp, optim  # noqa: E402
 from ort_trainer.ortmodule import ORTModule  # noqa: E402
 
 from .. import models  # noqa: E402
@@ -70,3 +70,32 @@ def test_ortmodule_under_autocast_trains_in_step_on_cuda(dtype, monkeypatch):
     losses, dtypes = _autocast_losses(model, dtype, wrap=ORTModule)
     assert dtypes == expected_dtypes
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=LOSS_RTOL[dtype], atol=0)
+
+
+def _overflow_history(device):
+    """test_loss_scaling_fp16's overflow sequence (scale 2^24: skipped updates until the scale has
+    backed off) with an LR schedule: per step (updates applied, finite, scale, last lr)."""
+    scaler = amp.DynamicLossScaler(loss_scale=2.0 ** 24, up_scale_window=3)
+    scheduler = optim.lr_scheduler.LinearWarmupLRScheduler(total_steps=30, warmup=0.2)
+    trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=models.mlp_loss,
+                         options=ORTTrainerOptions({"device": {"id": device}, "lr_scheduler": scheduler,
+                                                    "mixed_precision": {"enabled": True, "loss_scaler": scaler}}))
+    batch = [t.to(device) for t in models.mlp_batch(0)]
+    history = []
+    for _ in range(14):
+        trainer.train_step(*batch)
+        info = trainer.train_step_info
+        history.append((info.optimization_step, info.all_finite, scaler.loss_scale, scheduler.get_last_lr()[0]))
+    return history, trainer
+
+
+@pytest.mark.filterwarnings("ignore:mixed_precision.dtype='float16' on device 'cpu'")
+def test_overflows_are_skipped_on_the_device_as_on_the_cpu():
+    """On CUDA the skip, the count and the scale are decided on the device (no host sync): the
+    same updates applied, scales and lrs step by step as the CPU trainer's host-side rule."""
+    cpu, _ = _overflow_history("cpu")
+    cuda, trainer = _overflow_history("cuda")
+    assert trainer._device_scaling is not None
+    assert cuda == cpu
+    assert cpu[0][:3] == (0, False, 2.0 ** 23) and cpu[-1][0] >= 3
+
