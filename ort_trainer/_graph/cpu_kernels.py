@@ -2,6 +2,8 @@
 
 ORT's CPU kernels of the softmax cross-entropy (and its gradient) and of the embedding gradient
 are single-threaded; these rewrites give the same math with threaded kernels (BENCHMARKS.md).
+Gradients the CPU provider has no kernel for (ResizeGrad, ConvTransposeGrad) run torch's backward
+(`_graph.torch_nodes`).
 The CUDA provider keeps ORT's own kernels: fewer launches, and its GatherGrad is deterministic
 where GatherNDGrad adds with atomics.
 """
@@ -11,6 +13,7 @@ import re
 import onnx
 
 from .._onnx import int64_constant, node_attributes, onnx_opset
+from .torch_nodes import substitute_torch_kernels
 
 
 def kernel_substitutions(device_type):
@@ -24,6 +27,7 @@ def substitute_cpu_kernels(training, evaluation):
     fast_softmax_cross_entropy(training)
     fast_gather_grad(training)
     fast_gelu_grad(training)
+    substitute_torch_kernels(training)
     fast_softmax_cross_entropy(evaluation)
 
 

@@ -9,6 +9,7 @@ from .._graph.cpu_kernels import target_out_of_range
 from .._graph.fixes import NO_GRADIENT_SUFFIX
 from .memory import TORCH_TO_NUMPY
 from .sessions import seed_random_ops
+from .torch_ops import raising_torch_op_errors
 
 _ORT_TYPE_TO_TORCH = {
     "tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
@@ -85,7 +86,8 @@ class CompiledGraph:
             seed_random_ops()
         try:
             run_options = self._sessions.quiet_run_options if quiet else self._sessions.run_options
-            session.run_with_iobinding(binding, run_options)
+            with raising_torch_op_errors():
+                session.run_with_iobinding(binding, run_options)
         except RuntimeError as error:
             explained = target_out_of_range(error)
             if explained is None:

@@ -6,6 +6,7 @@ from onnxruntime.capi import _pybind_state as C
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .sessions import seed_random_ops
+from .torch_ops import raising_torch_op_errors
 
 
 class ModuleRunner:
@@ -34,7 +35,7 @@ class ModuleRunner:
         placement, fetched = self._sessions.placement, C.OrtValueVector()
         self._first_run.begin()
         self._seed()
-        with placement.step():
+        with placement.step(), raising_torch_op_errors():
             self._session._sess.run_with_ortvaluevector(self._sessions.run_options, self._inputs, _ort_values(feeds),
                                                         self._outputs, fetched, self._devices)
         self._first_run.end()
@@ -50,7 +51,7 @@ class ModuleRunner:
         state, fetched = C.PartialGraphExecutionState(), C.OrtValueVector()
         self._first_run.begin()
         self._seed()
-        with placement.step():
+        with placement.step(), raising_torch_op_errors():
             self._agent.run_forward(_ort_values(feeds), fetched, state, None)
         return placement.returned(_torch_tensors(fetched)), state
 
@@ -58,7 +59,7 @@ class ModuleRunner:
         """The backward's gradients, in the graph's order, from the gradients of the forward's
         outputs (`output_grads`: tensors, in output order)."""
         placement, fetched = self._sessions.placement, C.OrtValueVector()
-        with placement.step():
+        with placement.step(), raising_torch_op_errors():
             self._agent.run_backward(_ort_values(output_grads), fetched, state)
         self._first_run.end()  # of a training graph: its forward and backward
         return placement.returned(_torch_tensors(fetched))

@@ -7,10 +7,12 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 from .._configuration.validation import CPU_PROVIDER, CUDA_PROVIDER
+from .._graph.torch_nodes import DOMAIN as TORCH_NODE_DOMAIN
 from .._onnx import quiet_session_options
 from .cuda import require_cuda_provider
 from .memory import memory_policy
 from .session_config import provider_options_from, session_options_from
+from .torch_ops import register_executor
 
 
 class Sessions:
@@ -56,6 +58,12 @@ class Sessions:
         options = self.session_options()
         if optimized_model_path is not None:
             options.optimized_model_filepath = optimized_model_path
+        if TORCH_NODE_DOMAIN.encode() in model:  # the graph runs torch kernels (`_runtime.torch_ops`)
+            if options.execution_mode == onnxruntime.ExecutionMode.ORT_PARALLEL:
+                raise ValueError("Invalid options: session_options.execution_mode=ORT_PARALLEL cannot run this graph: "
+                                 "it runs torch kernels inside ONNX Runtime, which would wait on the Python lock "
+                                 "held by the run; use ORT_SEQUENTIAL (the default)")
+            register_executor()
         session = onnxruntime.InferenceSession(model, options, providers=self.providers)
         if self.placement.stream is not None:
             require_cuda_provider(session.get_providers())

@@ -1,0 +1,145 @@
+"""The executor of the graphs' torch nodes (`_graph.torch_nodes`): ONNX Runtime's `ATen` kernel
+calls it, through two C callbacks registered once per process, with DLPack tensors in and out.
+
+Pure Python (ctypes), no compiled extension. What it must get right, each pinned by a test:
+- Inputs arrive as `DLManagedTensor*`: each is wrapped in a "dltensor" capsule that torch
+  consumes (it calls the deleter once, when the tensor dies). They are never kept past the call:
+  ONNX Runtime reuses their memory after the run (memory patterns).
+- Outputs go back through `torch.utils.dlpack.to_dlpack`, the capsule renamed "used_dltensor" so
+  that Python does not free what ONNX Runtime now owns. An output never aliases an input.
+- A Python exception cannot cross into C, and a missing output is accepted silently: a failing
+  implementation records its error and hands back an output of a type ONNX Runtime refuses, so the
+  run fails at that node; the run's caller (`raising_torch_op_errors`) raises the recorded error.
+- The callbacks take the GIL: a session with torch nodes must not run them on ONNX Runtime's
+  inter-op threads while the calling thread holds the GIL (`Sessions.create` refuses
+  ORT_PARALLEL for such graphs).
+"""
+import contextlib
+import ctypes
+import json
+import threading
+
+import torch
+import torch.nn.functional as F
+from onnxruntime.capi import _pybind_state as C
+
+from .._graph.torch_nodes import CONV_TRANSPOSE_GRAD, RESIZE_GRAD
+
+
+class TorchOpError(RuntimeError):
+    """A torch kernel inside an ONNX Runtime graph failed; the cause is chained."""
+
+
+_IS_TENSOR_ARGUMENT = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                       ctypes.c_bool)
+_EXECUTE = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
+                            ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p))
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+_capsule_rename = ctypes.pythonapi.PyCapsule_SetName
+_capsule_rename.restype, _capsule_rename.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+
+_lock = threading.Lock()
+_errors = []  # (operator, exception) recorded by failed calls, raised by the run that made them
+_registered = []  # the callbacks, kept alive for the life of the process
+
+
+def _interpolate_grad(inputs, params):
+    grad, x = inputs[0], inputs[1]
+    mode = params["modes"].get(str(x.dim()))
+    if mode is None:
+        raise ValueError(f"no torch interpolate mode for a {x.dim()}-d input (modes by rank: {params['modes']})")
+    scales = inputs[2].tolist()[2:] if len(inputs) > 2 and inputs[2].numel() else None
+    source = torch.zeros(x.shape, dtype=grad.dtype, device=grad.device, requires_grad=True)
+    with torch.enable_grad():
+        resized = F.interpolate(source, size=None if scales else tuple(grad.shape[2:]), scale_factor=scales,
+                                mode=mode, align_corners=params["align_corners"],
+                                recompute_scale_factor=False if scales else None)
+    if resized.shape != grad.shape:
+        raise ValueError(f"interpolate of {tuple(x.shape)} gives {tuple(resized.shape)}, the gradient is "
+                         f"{tuple(grad.shape)}")
+    return list(torch.autograd.grad(resized, source, grad))
+
+
+def _conv_transpose_grad(inputs, params):
+    grad, x, weight = inputs
+    dims = weight.dim() - 2  # ONNX defaults for the attributes left out: strides 1, pads 0, ...
+    stride, padding, dilation, output_padding = (params[key] or [default] * dims for key, default in (
+        ("stride", 1), ("padding", 0), ("dilation", 1), ("output_padding", 0)))
+    return list(torch.ops.aten.convolution_backward(
+        grad, x, weight, [weight.shape[1] * params["groups"]], stride, padding, dilation, True, output_padding,
+        params["groups"], [True, True, True]))
+
+
+#: operator -> implementation(list of input tensors, params) -> list of output tensors
+IMPLEMENTATIONS = {RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad}
+
+
+def _hand_over(tensor, outputs, k):
+    """Writes `tensor` into output slot k as a DLManagedTensor that ONNX Runtime now owns."""
+    capsule = torch.utils.dlpack.to_dlpack(tensor)
+    outputs[k] = _capsule_pointer(capsule, b"dltensor")
+    _capsule_rename(capsule, b"used_dltensor")
+
+
+_POISON = torch.zeros(1, dtype=torch.complex64)  # a DLPack type ONNX Runtime refuses: fails the node
+
+
+def _execute(operator, overload, count_in, inputs, count_out, outputs):
+    name = operator.decode()
+    tensors = [torch.utils.dlpack.from_dlpack(_capsule_new(inputs[k], b"dltensor", None)) for k in range(count_in)]
+    try:
+        implementation = IMPLEMENTATIONS.get(name)
+        if implementation is None:
+            raise KeyError(f"no torch implementation named {name!r} (known: {sorted(IMPLEMENTATIONS)})")
+        results = implementation(tensors, json.loads(overload.decode() or "{}"))
+        if len(results) != count_out:
+            raise ValueError(f"{len(results)} outputs for the node's {count_out}")
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        results = [r.clone() if r.untyped_storage().data_ptr() in storages else r.contiguous() for r in results]
+    except Exception as error:  # noqa: BLE001 - nothing may cross into C; the run raises it
+        with _lock:
+            _errors.append((name, error))
+        results = [_POISON.clone() for _ in range(count_out)]
+    del tensors  # the inputs' deleters run now: nothing of ONNX Runtime's memory is kept
+    for k, result in enumerate(results):
+        _hand_over(result, outputs, k)
+
+
+def register_executor():
+    """Registers the executor with ONNX Runtime, once per process (idempotent, thread-safe)."""
+    with _lock:
+        if _registered:
+            return
+        is_tensor_argument = _IS_TENSOR_ARGUMENT(lambda operator, overload, index, is_input: True)
+        execute = _EXECUTE(_execute)
+        C.register_aten_op_executor(str(ctypes.cast(is_tensor_argument, ctypes.c_void_p).value),
+                                    str(ctypes.cast(execute, ctypes.c_void_p).value))
+        _registered.extend([is_tensor_argument, execute])
+
+
+def take_errors():
+    """The errors recorded since the last call, oldest first."""
+    with _lock:
+        errors = list(_errors)
+        _errors.clear()
+    return errors
+
+
+@contextlib.contextmanager
+def raising_torch_op_errors():
+    """Around a run: a run that a failed torch node made fail raises TorchOpError naming the node's
+    torch implementation, chained to its exception (ONNX Runtime's own error is in the message)."""
+    take_errors()
+    try:
+        yield
+    except Exception:  # ONNX Runtime's exception types vary with the failure
+        errors = take_errors()
+        if not errors:
+            raise
+        operator, cause = errors[0]
+        raise TorchOpError(f"the torch kernel {operator!r} inside the ONNX Runtime graph failed: "
+                           f"{type(cause).__name__}: {cause}") from cause

@@ -1,0 +1,238 @@
+"""PyTorch kernels inside ONNX Runtime graphs (`_runtime.torch_ops`, `_graph.torch_nodes`): the
+executor's pitfalls, each pinned (errors raised by name, never a crash or a silent result; no
+leak; no output aliasing an input; threads; ORT_PARALLEL refused), and the CPU gradients ONNX
+Runtime lacks (ResizeGrad, ConvTransposeGrad) in step with eager PyTorch in both front ends."""
+import copy
+import resource
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ort_trainer import ORTTrainer, optim
+from ort_trainer._configuration.runtime_settings import RuntimeSettings
+from ort_trainer._graph.torch_nodes import DOMAIN, torch_node
+from ort_trainer._runtime import torch_ops
+from ort_trainer._runtime.placement import Placement
+from ort_trainer._runtime.sessions import Sessions
+from ort_trainer.ortmodule import ORTModule
+# fp32 on both sides; the substituted gradients are torch's own kernels, the rest ORT's: rounding only.
+LOSS_RTOL = 1e-5
+
+
+def assert_losses_close(losses, expected):
+    np.testing.assert_allclose(losses, expected, rtol=LOSS_RTOL)
+
+
+@pytest.fixture
+def implementations(monkeypatch):
+    """Test-only torch implementations, removed after the test."""
+    table = dict(torch_ops.IMPLEMENTATIONS)
+    monkeypatch.setattr(torch_ops, "IMPLEMENTATIONS", table)
+    return table
+
+
+def _session(operator, *, outputs=1, params=None, options=None):
+    """A session of one torch node over x (float [N]), its outputs y0.. float."""
+    names = [f"y{k}" for k in range(outputs)]
+    graph = onnx.helper.make_graph(
+        [torch_node(operator, ["x"], names, params=params or {}, name="node")], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"])],
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names])
+    model = onnx.helper.make_model(graph, ir_version=8, opset_imports=[onnx.helper.make_opsetid("", 17),
+                                                                      onnx.helper.make_opsetid(DOMAIN, 1)])
+    settings = RuntimeSettings(threads=1, session_options=options)
+    return Sessions(Placement("cpu"), settings).create(model.SerializeToString())
+
+
+def _run(session, x):
+    with torch_ops.raising_torch_op_errors():
+        return session.run(None, {"x": x})
+
+
+def test_a_torch_node_runs_its_implementation(implementations):
+    implementations["ort_trainer::test_scale"] = lambda inputs, params: [inputs[0] * params["by"], inputs[0] + 1]
+    session = _session("ort_trainer::test_scale", outputs=2, params={"by": 3.0})
+    x = np.arange(5, dtype=np.float32)
+    scaled, shifted = _run(session, x)
+    np.testing.assert_array_equal(scaled, x * 3)
+    np.testing.assert_array_equal(shifted, x + 1)
+
+
+def test_a_failing_implementation_fails_the_run_with_its_error(implementations):
+    def fails(inputs, params):
+        raise ValueError("the kernel's own message")
+    implementations["ort_trainer::test_fails"] = fails
+    session = _session("ort_trainer::test_fails")
+    with pytest.raises(torch_ops.TorchOpError, match="the torch kernel 'ort_trainer::test_fails' inside the ONNX "
+                                                     "Runtime graph failed: ValueError: the kernel's own message") as info:
+        _run(session, np.ones(3, np.float32))
+    assert isinstance(info.value.__cause__, ValueError)
+    assert torch_ops.take_errors() == []  # reported once; the next run starts clean
+    implementations["ort_trainer::test_fails"] = lambda inputs, params: [inputs[0] * 2]
+    np.testing.assert_array_equal(_run(session, np.ones(3, np.float32))[0], [2, 2, 2])
+
+
+def test_unknown_operators_and_wrong_output_counts_are_errors(implementations):
+    with pytest.raises(torch_ops.TorchOpError, match=r"no torch implementation named 'ort_trainer::nothing' "
+                                                     r"\(known: \[.*'ort_trainer::resize_grad'"):
+        _run(_session("ort_trainer::nothing"), np.ones(3, np.float32))
+    implementations["ort_trainer::test_two"] = lambda inputs, params: [inputs[0], inputs[0]]
+    with pytest.raises(torch_ops.TorchOpError, match="ValueError: 2 outputs for the node's 1"):
+        _run(_session("ort_trainer::test_two"), np.ones(3, np.float32))
+
+
+def test_an_output_never_aliases_an_input(implementations):
+    """ONNX Runtime reuses the input's memory after the run: a returned input (or a view of it) is copied."""
+    implementations["ort_trainer::test_identity"] = lambda inputs, params: [inputs[0][1:]]
+    session = _session("ort_trainer::test_identity")
+    kept = [_run(session, np.full(4, float(k), np.float32))[0] for k in range(3)]
+    for k, result in enumerate(kept):
+        np.testing.assert_array_equal(result, [k, k, k])
+
+
+def test_many_calls_leak_nothing(implementations):
+    """4 MB in and out per call: 300 calls would leak 2.4 GB if an input or output were never freed."""
+    implementations["ort_trainer::test_double"] = lambda inputs, params: [inputs[0] * 2]
+    session = _session("ort_trainer::test_double")
+    x = np.ones(1 << 20, np.float32)
+    for _ in range(20):
+        _run(session, x)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(300):
+        assert _run(session, x)[0][0] == 2.0
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 200, f"peak memory grew by {grown_mb:.0f} MB over 300 calls"
+
+
+def test_threads_run_torch_nodes_concurrently(implementations):
+    implementations["ort_trainer::test_square"] = lambda inputs, params: [inputs[0] * inputs[0]]
+    session = _session("ort_trainer::test_square")
+    failures = []
+
+    def work(k):
+        try:
+            for _ in range(50):
+                np.testing.assert_array_equal(_run(session, np.full(7, k, np.float32))[0], np.full(7, k * k))
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            failures.append(error)
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a run deadlocked"
+    assert failures == []
+
+
+def test_parallel_execution_is_refused_for_graphs_with_torch_nodes():
+    options = onnxruntime.SessionOptions()
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_PARALLEL
+    with pytest.raises(ValueError, match="session_options.execution_mode=ORT_PARALLEL cannot run this graph: it runs "
+                                         "torch kernels inside ONNX Runtime"):
+        _session("ort_trainer::resize_grad", options=options)
+
+
+# ------------------------------------------------------------------ gradients the CPU provider lacks
+
+
+class Resized(nn.Module):
+    """A conv, then F.interpolate (the ResizeGrad ORT's CPU provider lacks), then a head."""
+
+    def __init__(self, **interpolate):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 2)
+        self.interpolate = interpolate
+
+    def forward(self, x):
+        y = F.interpolate(self.conv(x), **self.interpolate)
+        return self.head(y.mean(dim=(2, 3)) + y.std(dim=(2, 3)))
+
+
+class Transposed(nn.Module):
+    """ConvTranspose (its gradient has no CPU kernel in ORT) over an input that needs no gradient."""
+
+    def __init__(self, dims=2, **conv):
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.ConvTranspose2d if dims == 2 else nn.ConvTranspose1d
+        self.pre = nn.Conv2d(4, 4, 1) if dims == 2 else nn.Conv1d(4, 4, 1)
+        self.up = layer(4, 6, **conv)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        y = self.up(self.pre(x))
+        return self.head(y.flatten(2).mean(-1) + y.flatten(2).pow(2).mean(-1))
+
+
+CASES = {
+    "nearest x2": (lambda: Resized(scale_factor=2, mode="nearest"), (2, 3, 6, 6)),
+    "nearest to size": (lambda: Resized(size=(9, 11), mode="nearest"), (2, 3, 6, 6)),
+    "bilinear x1.5": (lambda: Resized(scale_factor=1.5, mode="bilinear", align_corners=False), (2, 3, 6, 7)),
+    "bilinear align_corners": (lambda: Resized(size=(10, 13), mode="bilinear", align_corners=True), (2, 3, 6, 7)),
+    "bicubic x2": (lambda: Resized(scale_factor=2, mode="bicubic", align_corners=False), (2, 3, 5, 6)),
+    "conv_transpose2d": (lambda: Transposed(kernel_size=3, stride=2, padding=1, output_padding=1), (2, 4, 5, 6)),
+    "conv_transpose2d groups dilation": (lambda: Transposed(kernel_size=2, stride=3, groups=2, dilation=2),
+                                         (2, 4, 4, 5)),
+    "conv_transpose1d": (lambda: Transposed(dims=1, kernel_size=4, stride=2, padding=1), (2, 4, 9)),
+}
+
+
+def _batches(shape, steps=5):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(*shape, generator=generator), torch.randint(0, 2, (shape[0],), generator=generator))
+            for _ in range(steps)]
+
+
+def _eager_losses(model, batches):
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, target in batches:
+        sgd.zero_grad()
+        loss = F.cross_entropy(model(x), target)
+        loss.backward()
+        sgd.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ortrainer_trains_in_step_with_torch(case):
+    make, shape = CASES[case]
+    model, batches = make(), _batches(shape)
+    expected = _eager_losses(copy.deepcopy(model), batches)
+    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options={"utils": {"grad_norm_clip": False}})
+    assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
+
+
+@pytest.mark.parametrize("case", ["bilinear x1.5", "conv_transpose2d"])
+def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
+    make, shape = CASES[case]
+    model, batches = make(), _batches(shape)
+    expected = _eager_losses(copy.deepcopy(model), batches)
+    assert_losses_close(_eager_losses(ORTModule(model), batches), expected)
+
+
+def test_a_failing_torch_kernel_in_train_step_changes_nothing(implementations):
+    def fails(inputs, params):
+        raise RuntimeError("out of memory (simulated)")
+    implementations["ort_trainer::resize_grad"] = fails
+    make, shape = CASES["nearest x2"]
+    model, (x, target) = make(), _batches(shape, steps=1)[0]
+    before = copy.deepcopy(model.state_dict())
+    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    with pytest.raises(torch_ops.TorchOpError, match="'ort_trainer::resize_grad' inside the ONNX Runtime graph failed: "
+                                                     r"RuntimeError: out of memory \(simulated\)"):
+        trainer.train_step(x, target)
+    assert trainer.train_step_info.step == 0 and trainer.train_step_info.optimization_step == 0
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
