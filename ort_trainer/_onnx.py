@@ -1,6 +1,8 @@
 """ONNX model helpers that every stage uses: attributes, opsets and constants, initializers made
-inputs or renamed, shape inference, which tensors a graph computes from which, and the quiet
-SessionOptions ONNX Runtime's graph tools and our sessions start from."""
+inputs or renamed, shape inference, which tensors a graph computes from which, the quiet
+SessionOptions ONNX Runtime's graph tools and our sessions start from, and torch nodes."""
+import json
+
 import onnx
 from onnxruntime import SessionOptions
 
@@ -97,3 +99,20 @@ def needed_for(model, targets):
         if needed.intersection(node.output):
             needed.update(node.input)
     return needed
+
+
+# Torch nodes: ONNX Runtime's `ATen` op (this domain) running one of our torch implementations
+# (`_runtime.torch_ops`), named in `operator` ('ort_trainer::<name>'), its parameters as JSON in
+# `overload_name`. ATen outputs get no type inference: the graph must state their types.
+TORCH_NODE_DOMAIN = "org.pytorch.aten"
+
+
+def torch_node(operator, inputs, outputs, *, params, name=""):
+    """An ATen node running our torch implementation `operator` with `params` (JSON-able)."""
+    return onnx.helper.make_node("ATen", inputs, outputs, name=name, domain=TORCH_NODE_DOMAIN, operator=operator,
+                                 overload_name=torch_node_params(params))
+
+
+def torch_node_params(params):
+    """The `overload_name` of a torch node (one spelling per value: it is part of gradient keys)."""
+    return json.dumps(params, sort_keys=True, separators=(",", ":"))

@@ -51,3 +51,12 @@ def test_train_step_benchmark_takes_mixed_precision(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["config"]["mixed_precision"] == "float16"
+
+
+def test_cpu_products_benchmark_runs():
+    done = subprocess.run([sys.executable, "benchmarks/cpu_products.py", "--threads", "1", "--repeats", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    header, *rows = done.stdout.strip().splitlines()
+    assert set(json.loads(header)) == {"cpu", "flags", "threads", "torch", "onnxruntime"}
+    assert len(rows) == 5 and all("MLAS fp32" in row and "torch bf16" in row for row in rows)

@@ -16,11 +16,15 @@ import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer._configuration.runtime_settings import RuntimeSettings
-from ort_trainer._graph.torch_nodes import DOMAIN, torch_node
+from ort_trainer._onnx import TORCH_NODE_DOMAIN as DOMAIN
+from ort_trainer._onnx import torch_node
 from ort_trainer._runtime import torch_ops
 from ort_trainer._runtime.placement import Placement
 from ort_trainer._runtime.sessions import Sessions
 from ort_trainer.ortmodule import ORTModule
+
+pytestmark = pytest.mark.filterwarnings("ignore:parameters .* are not used by the model's forward")
+
 # fp32 on both sides; the substituted gradients are torch's own kernels, the rest ORT's: rounding only.
 LOSS_RTOL = 1e-5
 
@@ -202,26 +206,6 @@ def _eager_losses(model, batches):
     return losses
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_ortrainer_trains_in_step_with_torch(case):
-    make, shape = CASES[case]
-    model, batches = make(), _batches(shape)
-    expected = _eager_losses(copy.deepcopy(model), batches)
-    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
-                         options={"utils": {"grad_norm_clip": False}})
-    assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
-
-
-@pytest.mark.parametrize("case", ["bilinear x1.5", "conv_transpose2d"])
-def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
-    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
-    make, shape = CASES[case]
-    model, batches = make(), _batches(shape)
-    expected = _eager_losses(copy.deepcopy(model), batches)
-    assert_losses_close(_eager_losses(ORTModule(model), batches), expected)
-
-
 def test_a_failing_torch_kernel_in_train_step_changes_nothing(implementations):
     def fails(inputs, params):
         raise RuntimeError("out of memory (simulated)")
@@ -236,3 +220,108 @@ def test_a_failing_torch_kernel_in_train_step_changes_nothing(implementations):
         trainer.train_step(x, target)
     assert trainer.train_step_info.step == 0 and trainer.train_step_info.optimization_step == 0
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+# ------------------------------------------------------------------ ops exported as torch nodes
+
+
+class Einsum(nn.Module):
+    """Layers written with einsum (ONNX Runtime has no Einsum gradient)."""
+
+    def __init__(self, equation, *, weight_first=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.equation, self.weight_first = equation, weight_first
+        self.pre, self.w, self.head = nn.Linear(6, 6), nn.Parameter(torch.randn(6, 5) / 3), nn.Linear(5, 2)
+
+    def forward(self, x):
+        if self.equation == "three":  # the input needs no gradient and comes first
+            y = torch.einsum("bi,ij,jk->bk", x, self.w @ self.w.T, self.w)
+        elif self.equation == "activations":  # two activations, batched
+            h = self.pre(x)
+            y = torch.einsum("bi,bj->bij", h, h).sum(-1) @ self.w
+        elif self.weight_first:
+            y = torch.einsum(self.equation, self.w, self.pre(x))
+        else:
+            y = torch.einsum(self.equation, x, self.w)  # the input, which needs no gradient, first
+        return self.head(y)
+
+
+class Pooled(nn.Module):
+    """adaptive_avg_pool{1,2,3}d to a size that does not divide the input (not exportable to ONNX)."""
+
+    def __init__(self, dims, size):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1](3, 4, 1)
+        self.pool = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)[dims - 1](size)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.pool(self.conv(x))
+        return self.head(y.flatten(2).pow(2).mean(-1))
+
+
+CASES.update({
+    "einsum input first": (lambda: Einsum("bi,ij->bj"), (4, 6)),
+    "einsum implicit": (lambda: Einsum("bi,ij"), (4, 6)),
+    "einsum ellipsis": (lambda: Einsum("...i,ij->...j"), (4, 6)),
+    "einsum weight first": (lambda: Einsum("ij,bi->bj", weight_first=True), (4, 6)),
+    "einsum three operands": (lambda: Einsum("three"), (4, 6)),
+    "einsum activations": (lambda: Einsum("activations"), (4, 6)),
+    "adaptive_avg_pool1d": (lambda: Pooled(1, 3), (2, 3, 7)),
+    "adaptive_avg_pool2d": (lambda: Pooled(2, (3, 4)), (2, 3, 7, 9)),
+    "adaptive_avg_pool3d": (lambda: Pooled(3, (2, 3, 2)), (2, 3, 5, 7, 3)),
+})
+
+
+def test_eval_step_and_export_onnx_of_a_model_with_torch_nodes(tmp_path):
+    make, shape = CASES["einsum input first"]
+    model, (x, target) = make(), _batches(shape, steps=1)[0]
+    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer.train_step(x, target)
+    loss, y = trainer.eval_step(x, target)
+    torch.testing.assert_close(y, model.eval()(x), rtol=1e-5, atol=1e-6)
+    trainer.export_onnx(tmp_path / "model.onnx")  # for a plain ONNX Runtime: ONNX's Einsum, no torch node
+    exported = onnx.load(tmp_path / "model.onnx")
+    assert {node.op_type for node in exported.graph.node} >= {"Einsum"}
+    assert not any(node.domain == DOMAIN for node in exported.graph.node)
+    session = onnxruntime.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x.numpy()})[0], y.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ortrainer_trains_in_step_with_torch(case):
+    make, shape = CASES[case]
+    model, batches = make(), _batches(shape)
+    expected = _eager_losses(copy.deepcopy(model), batches)
+    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options={"utils": {"grad_norm_clip": False}})
+    assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
+
+
+@pytest.mark.parametrize("case", ["bilinear x1.5", "conv_transpose2d", "einsum activations", "einsum input first",
+                                  "adaptive_avg_pool2d"])
+def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
+    make, shape = CASES[case]
+    model, batches = make(), _batches(shape)
+    expected = _eager_losses(copy.deepcopy(model), batches)
+    assert_losses_close(_eager_losses(ORTModule(model), batches), expected)
+
+
+@pytest.mark.parametrize("case", ["einsum ellipsis", "adaptive_avg_pool2d"])
+def test_new_batch_sizes_rederive_graphs_with_torch_nodes(case):
+    """A dynamic batch dim: later shapes come from the re-derived export (its value_info is gone, the
+    torch nodes' output shapes are stated again), proven against torch."""
+    make, shape = CASES[case]
+    model = make()
+    batches = [_batches((size, *shape[1:]), steps=1)[0] for size in (4, 3, 5, 3)]
+    expected = _eager_losses(copy.deepcopy(model), batches)
+    desc = {"inputs": [("x", ["batch", *shape[1:]]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("y", ["batch", 2])]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options={"utils": {"grad_norm_clip": False}})
+    assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)

@@ -1,22 +1,31 @@
-"""Graph nodes that run PyTorch kernels inside ONNX Runtime: ONNX Runtime 1.19's training build
-has an `ATen` op (domain `org.pytorch.aten`) that hands its inputs to a registered executor
-(`_runtime.torch_ops`). Our nodes name one of our torch implementations in the `operator`
-attribute (`ort_trainer::<name>`) and carry its parameters as JSON in `overload_name`.
+"""Graph nodes that run PyTorch kernels inside ONNX Runtime (`_onnx.torch_node`; the executor:
+`_runtime.torch_ops`).
 
-The CPU rewrites here replace gradient nodes ONNX Runtime's CPU provider has no kernel for
-(`ResizeGrad`, `ConvTransposeGrad`) in built training graphs (`substitute_torch_kernels`).
+- Forward ops ONNX Runtime cannot export or differentiate are exported as torch nodes
+  (`_export.symbolics`: einsum, adaptive average pooling that does not divide); their gradients,
+  torch nodes too, are registered with the gradient builder per node parameters
+  (`register_torch_node_gradients`), one gradient node per input. The builder drops a gradient
+  node whose input needs no gradient, but fails when input 0 is one of those and another input
+  needs one: the exports put an input that needs a gradient first.
+- In built training graphs for the CPU, the gradient nodes its provider has no kernel for
+  (`ResizeGrad`, `ConvTransposeGrad`) become torch's backward (`substitute_torch_kernels`).
 """
 import json
 
 import onnx
+from onnxruntime.capi import _pybind_state as C
 
-from .._onnx import node_attributes
+from .._export.symbolics import ADAPTIVE_AVG_POOL, EINSUM, TORCH_OP_PREFIX
+from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
+from .._onnx import inferred_tensors, node_attributes, torch_node, torch_node_params
 
-DOMAIN = "org.pytorch.aten"
-PREFIX = "ort_trainer::"
+RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
+CONV_TRANSPOSE_GRAD = TORCH_OP_PREFIX + "conv_transpose_grad"
+EINSUM_GRAD = TORCH_OP_PREFIX + "einsum_grad"
+ADAPTIVE_AVG_POOL_GRAD = TORCH_OP_PREFIX + "adaptive_avg_pool_grad"
 
-RESIZE_GRAD = PREFIX + "resize_grad"
-CONV_TRANSPOSE_GRAD = PREFIX + "conv_transpose_grad"
+#: forward operator -> its gradient's operator (one node per input, `input` added to the params)
+GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD}
 
 # ONNX Resize (mode, coordinate_transformation_mode, nearest_mode) as torch exports F.interpolate:
 # -> (torch mode by input rank, align_corners)
@@ -31,14 +40,90 @@ _RESIZE_MODES = {
 }
 
 
-def torch_node(operator, inputs, outputs, *, params, name):
-    """An ATen node running our torch implementation `operator` with `params` (JSON-able)."""
-    return onnx.helper.make_node("ATen", inputs, outputs, name=name, domain=DOMAIN, operator=operator,
-                                 overload_name=json.dumps(params, sort_keys=True))
+def _einsum_shape(shapes, params):
+    terms, result = params["equation"].split("->")
+    sizes, ellipsis = {}, ()
+    for term, shape in zip(terms.split(","), shapes):
+        head, _, tail = term.partition("...")
+        if "..." in term:
+            dims = shape[len(head):len(shape) - len(tail)]
+            padded = (1,) * (len(dims) - len(ellipsis)) + tuple(ellipsis)
+            dims = (1,) * (len(padded) - len(dims)) + tuple(dims)
+            ellipsis = tuple(max(a, b) for a, b in zip(padded, dims))
+            tail_dims = shape[len(shape) - len(tail):] if tail else []
+        else:
+            tail_dims = []
+        for label, size in [*zip(head, shape), *zip(tail, tail_dims)]:
+            sizes[label] = size
+    head, _, tail = result.partition("...")
+    return [sizes[label] for label in head] + (list(ellipsis) if "..." in result else []) + [sizes[c] for c in tail]
 
 
-def has_torch_nodes(model):
-    return any(node.domain == DOMAIN for node in model.graph.node)
+def _adaptive_avg_pool_shape(shapes, params):
+    size = params["output_size"]
+    return list(shapes[0][:len(shapes[0]) - len(size)]) + list(size)
+
+
+#: forward operator -> output shape(input shapes, params)
+_SHAPES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shape}
+
+
+def declare_torch_node_outputs(model):
+    """States the type and shape of the forward torch nodes' outputs (in place): ONNX and ONNX
+    Runtime infer none for an ATen node, and without them nothing after it has a shape (an export
+    re-derived at new shapes has lost its value_info). Shapes from the inputs' inferred ones."""
+    nodes = [node for node in model.graph.node if node.domain == DOMAIN]
+    for _ in range(len(nodes)):  # a torch node's shape may need an earlier one's
+        tensors, declared = inferred_tensors(model), False
+        for node in nodes:
+            params = json.loads(node_attributes(node).get("overload_name", b"").decode() or "{}")
+            shape_of = _SHAPES.get(node_attributes(node)["operator"].decode())
+            known = tensors.get(node.output[0], (None, None))[1]
+            inputs = [tensors.get(name, (None, None)) for name in node.input]
+            if shape_of is None or (known and all(isinstance(d, int) for d in known)) \
+                    or not all(dims and all(isinstance(d, int) for d in dims) for _, dims in inputs):
+                continue
+            _set_value_info(model, node.output[0], inputs[0][0], shape_of([dims for _, dims in inputs], params))
+            declared = True
+        if not declared:
+            return
+
+
+def _set_value_info(model, name, element_type, shape):
+    kept = [info for info in model.graph.value_info if info.name != name]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend([*kept, onnx.helper.make_tensor_value_info(name, element_type, shape)])
+
+
+def register_torch_node_gradients(model):
+    """Registers with ONNX Runtime's gradient builder the gradient of each torch node of `model`
+    (keyed by operator and parameters; registering again is harmless)."""
+    for node in model.graph.node:
+        if node.domain != DOMAIN:
+            continue
+        attributes = node_attributes(node)
+        operator, overload = attributes["operator"].decode(), attributes.get("overload_name", b"").decode()
+        if operator not in GRADIENTS:
+            continue
+        params = json.loads(overload or "{}")
+        inputs = ["GO(0)"] + [f"I({k})" for k in range(len(node.input))]
+        C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", [
+            _gradient_node(GRADIENTS[operator], inputs, [f"GI({k})"], {**params, "input": k})
+            for k in range(len(node.input))])
+
+
+def _gradient_node(operator, inputs, outputs, params):
+    node = C.GradientNodeDefinition()
+    node.op_type, node.domain, node.inputs, node.outputs = "ATen", DOMAIN, inputs, outputs
+    node.attributes = [_string_attribute("operator", operator),
+                       _string_attribute("overload_name", torch_node_params(params))]
+    return node
+
+
+def _string_attribute(name, value):
+    attribute = C.GradientNodeAttributeDefinition()
+    attribute.name, attribute.value_json, attribute.dtype, attribute.is_tensor = name, json.dumps(value), "string", False
+    return attribute
 
 
 def substitute_torch_kernels(training):

@@ -11,6 +11,7 @@ from .autocast import lower_precision
 from .cpu_kernels import kernel_substitutions
 from .fixes import disable_training_mode, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .missing_gradient import missing_gradient
+from .torch_nodes import declare_torch_node_outputs
 
 LOSS_SCALE_INPUT = "__loss_scale"
 # Ops that draw from ONNX Runtime's default generator (ORT's fused forms of Dropout included).
@@ -111,6 +112,7 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     outputs follow `output_names`.
     """
     weights_as_inputs(model, [*trainable, *read_only])  # first: no copy below holds weights
+    declare_torch_node_outputs(model)
     if shape_inference:
         model = symbolic_shapes(model)
     eval_model = copy.deepcopy(model)

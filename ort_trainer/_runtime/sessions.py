@@ -7,8 +7,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 from .._configuration.validation import CPU_PROVIDER, CUDA_PROVIDER
-from .._graph.torch_nodes import DOMAIN as TORCH_NODE_DOMAIN
-from .._onnx import quiet_session_options
+from .._onnx import TORCH_NODE_DOMAIN, quiet_session_options
 from .cuda import require_cuda_provider
 from .memory import memory_policy
 from .session_config import provider_options_from, session_options_from

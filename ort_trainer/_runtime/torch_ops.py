@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
-from .._graph.torch_nodes import CONV_TRANSPOSE_GRAD, RESIZE_GRAD
+from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, CONV_TRANSPOSE_GRAD, EINSUM, EINSUM_GRAD,
+                                  RESIZE_GRAD)
 
 
 class TorchOpError(RuntimeError):
@@ -74,8 +75,35 @@ def _conv_transpose_grad(inputs, params):
         params["groups"], [True, True, True]))
 
 
+def _einsum(inputs, params):
+    return [torch.einsum(params["equation"], *inputs)]
+
+
+def _adaptive_avg_pool(inputs, params):
+    return [_ADAPTIVE_AVG_POOLS[len(params["output_size"])](inputs[0], params["output_size"])]
+
+
+_ADAPTIVE_AVG_POOLS = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
+
+
+def _input_gradient(forward):
+    """The gradient node of `forward` for input params['input'] (inputs: the output's gradient,
+    then the forward's inputs), by torch's autograd of the forward at these inputs."""
+    def gradient(inputs, params):
+        grad, operands, k = inputs[0], list(inputs[1:]), params["input"]
+        operands[k] = operands[k].detach().requires_grad_(True)
+        with torch.enable_grad():
+            output, = forward(operands, params)
+        return list(torch.autograd.grad(output, operands[k], grad))
+    return gradient
+
+
 #: operator -> implementation(list of input tensors, params) -> list of output tensors
-IMPLEMENTATIONS = {RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad}
+IMPLEMENTATIONS = {
+    RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
+    EINSUM: _einsum, EINSUM_GRAD: _input_gradient(_einsum),
+    ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradient(_adaptive_avg_pool),
+}
 
 
 def _hand_over(tensor, outputs, k):
