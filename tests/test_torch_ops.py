@@ -3,6 +3,7 @@ executor's pitfalls, each pinned (errors raised by name, never a crash or a sile
 leak; no output aliasing an input; threads; ORT_PARALLEL refused), and the CPU gradients ONNX
 Runtime lacks (ResizeGrad, ConvTransposeGrad) in step with eager PyTorch in both front ends."""
 import copy
+import functools
 import resource
 import threading
 
@@ -262,6 +263,35 @@ class Pooled(nn.Module):
         return self.head(y.flatten(2).pow(2).mean(-1))
 
 
+class Function(nn.Module):
+    """A linear layer, then a function ONNX cannot export or ONNX Runtime cannot differentiate."""
+
+    FUNCTIONS = {
+        "atan": torch.atan, "asin": lambda h: torch.asin(torch.tanh(h) * 0.9),
+        "acos": lambda h: torch.acos(torch.tanh(h) * 0.9), "tan": lambda h: torch.tan(h * 0.3),
+        "sinh": torch.sinh, "cosh": torch.cosh, "asinh": torch.asinh, "acosh": lambda h: torch.acosh(h.abs() + 1.5),
+        "atanh": lambda h: torch.atanh(torch.tanh(h) * 0.9), "erfinv": lambda h: torch.erfinv(torch.tanh(h) * 0.9),
+        "expm1": torch.expm1, "trunc": lambda h: torch.trunc(h * 3) + h, "round": lambda h: torch.round(h * 3) * h,
+        "round decimals": lambda h: torch.round(h, decimals=1) * h, "floor": lambda h: torch.floor(h * 3) * h,
+        "ceil": lambda h: torch.ceil(h * 3) * h, "frac": lambda h: torch.frac(h * 3), "sign": lambda h: torch.sign(h) * h,
+        "fmod": lambda h: torch.fmod(h * 3, 1.0), "remainder": lambda h: torch.remainder(h * 3, 1.0),
+        "fmod tensor": lambda h: torch.fmod(h * 3, h.detach().abs() + 0.5),
+        "cumprod": lambda h: torch.cumprod(torch.sigmoid(h), dim=1), "logcumsumexp": lambda h: torch.logcumsumexp(h, 1),
+        "det": lambda h: torch.det(h.view(-1, 2, 2)).view(h.shape[0], -1).repeat(1, 4),
+        "detach": lambda h: h * h.detach(),  # the exporter drops detach: gradients would flow through it
+        "straight-through": lambda h: h + (torch.round(h * 2) / 2 - h).detach(),
+    }
+
+    def __init__(self, name):
+        super().__init__()
+        torch.manual_seed(0)
+        self.name, self.linear, self.head = name, nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.FUNCTIONS[self.name](self.linear(x)))
+
+
+CASES.update({f"function {name}": (functools.partial(Function, name), (6, 4)) for name in Function.FUNCTIONS})
 CASES.update({
     "einsum input first": (lambda: Einsum("bi,ij->bj"), (4, 6)),
     "einsum implicit": (lambda: Einsum("bi,ij"), (4, 6)),
@@ -303,7 +333,8 @@ def test_ortrainer_trains_in_step_with_torch(case):
 
 
 @pytest.mark.parametrize("case", ["bilinear x1.5", "conv_transpose2d", "einsum activations", "einsum input first",
-                                  "adaptive_avg_pool2d"])
+                                  "adaptive_avg_pool2d", "function erfinv", "function atan", "function cumprod",
+                                  "function detach", "function straight-through"])
 def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
     make, shape = CASES[case]
@@ -325,3 +356,14 @@ def test_new_batch_sizes_rederive_graphs_with_torch_nodes(case):
     trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
                          options={"utils": {"grad_norm_clip": False}})
     assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
+
+
+def test_export_onnx_keeps_the_exporters_refusal_of_ops_onnx_lacks(tmp_path):
+    make, shape = CASES["function sinh"]
+    model, (x, target) = make(), _batches(shape, steps=1)[0]
+    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer.train_step(x, target)  # trains: a torch node
+    with pytest.raises(Exception, match="aten::sinh"):  # an inference model for plain ONNX Runtime: no torch node
+        trainer.export_onnx(tmp_path / "model.onnx")
+    assert not (tmp_path / "model.onnx").exists()

@@ -7,15 +7,10 @@ from torch.onnx._internal.torchscript_exporter import symbolic_opset9, symbolic_
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 from torch.onnx.errors import SymbolicValueError
 
-from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
+from .torch_node_symbolics import register_torch_node_symbolics
 
 # Domain of the marker nodes our symbolics leave for `_graph.fixes` to rewrite (none reaches ORT).
 MARKER_DOMAIN = "ort_trainer"
-
-# Torch nodes (`_onnx.torch_node`) a training export writes where ONNX Runtime has no gradient.
-TORCH_OP_PREFIX = "ort_trainer::"
-EINSUM = TORCH_OP_PREFIX + "einsum"
-ADAPTIVE_AVG_POOL = TORCH_OP_PREFIX + "adaptive_avg_pool"
 
 
 @functools.cache
@@ -33,68 +28,7 @@ def register_symbolics():
     torch.onnx.register_custom_op_symbolic("aten::movedim", _movedim, 9)
     for name, symbolic, opset in _ACTIVATIONS:
         torch.onnx.register_custom_op_symbolic(f"aten::{name}", symbolic, opset)
-    torch.onnx.register_custom_op_symbolic("aten::einsum", _einsum, 12)
-    for dims in (1, 2, 3):
-        torch.onnx.register_custom_op_symbolic(f"aten::adaptive_avg_pool{dims}d", _adaptive_avg_pool(dims), 9)
-
-
-def _torch_node(g, operator, inputs, *, rank, **params):
-    """A torch node (`_onnx.torch_node`): its output has input 0's element type and `rank` dims."""
-    output = g.op(f"{TORCH_NODE_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=torch_node_params(params))
-    if rank is not None:
-        output.setType(inputs[0].type().with_sizes([None] * rank))
-    return output
-
-
-def _einsum(g, equation, tensor_list, path=None):
-    """torch.einsum; in a training export with an operand that needs a gradient, a torch node
-    (ONNX Runtime has no Einsum gradient), its operands reordered so that such an operand is first
-    (the gradient builder's rule, `_graph.torch_nodes`)."""
-    operands = symbolic_helper._unpack_list(tensor_list)
-    needs_grad = [operand.requiresGrad() for operand in operands]
-    if not GLOBALS.export_training or not any(needs_grad):
-        return symbolic_opset12.einsum(g, equation, tensor_list, path)
-    equation = _explicit_einsum(symbolic_helper._parse_arg(equation, "s"))
-    terms, result = equation.split("->")
-    order = sorted(range(len(operands)), key=lambda k: not needs_grad[k])  # stable: the first that needs one
-    terms = terms.split(",")
-    equation = ",".join(terms[k] for k in order) + "->" + result
-    ranks = [symbolic_helper._get_tensor_rank(operand) for operand in operands]
-    ellipsis = {rank - len(term.replace("...", "")) for term, rank in zip(terms, ranks) if "..." in term
-                and rank is not None}
-    rank = len(result.replace("...", "")) + (max(ellipsis, default=0) if "..." in result else 0)
-    rank = None if "..." in result and None in ranks else rank
-    return _torch_node(g, EINSUM, [operands[k] for k in order], rank=rank, equation=equation)
-
-
-def _explicit_einsum(equation):
-    """`equation` with its output spelled out: implicit, it is the labels used once, in
-    alphabetical order, after the ellipsis' dims when there is one (torch's rule)."""
-    equation = equation.replace(" ", "")
-    if "->" in equation:
-        return equation
-    labels = equation.replace(",", "").replace("...", "")
-    once = "".join(sorted(label for label in set(labels) if labels.count(label) == 1))
-    return equation + "->" + ("..." if "..." in equation else "") + once
-
-
-def _adaptive_avg_pool(dims):
-    """torch's adaptive_avg_pool{dims}d symbolic; where it refuses an output size that does not
-    divide the input size, a training export writes a torch node (an inference export keeps the
-    refusal: a plain ONNX Runtime could not run the node)."""
-    default = getattr(symbolic_opset9, f"adaptive_avg_pool{dims}d")
-
-    def symbolic(g, x, output_size):
-        try:
-            return default(g, x, output_size)
-        except SymbolicValueError:
-            if not GLOBALS.export_training:
-                raise
-        sizes = symbolic_helper._maybe_get_const(output_size, "is")
-        if not isinstance(sizes, list):
-            raise SymbolicValueError(f"adaptive_avg_pool{dims}d: the output size must be a constant", x)
-        return _torch_node(g, ADAPTIVE_AVG_POOL, [x], rank=symbolic_helper._get_tensor_rank(x), output_size=sizes)
-    return symbolic
+    register_torch_node_symbolics()
 
 
 # Activations ONNX Runtime 1.19 has no gradient for (PRelu, Elu, Celu, Selu, Softplus and so Mish,

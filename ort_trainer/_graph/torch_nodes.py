@@ -4,7 +4,8 @@
 - Forward ops ONNX Runtime cannot export or differentiate are exported as torch nodes
   (`_export.symbolics`: einsum, adaptive average pooling that does not divide); their gradients,
   torch nodes too, are registered with the gradient builder per node parameters
-  (`register_torch_node_gradients`), one gradient node per input. The builder drops a gradient
+  (`register_torch_node_gradients`), one gradient node per input; `Tensor.detach`'s input is
+  registered as a stop-gradient edge. The builder drops a gradient
   node whose input needs no gradient, but fails when input 0 is one of those and another input
   needs one: the exports put an input that needs a gradient first.
 - In built training graphs for the CPU, the gradient nodes its provider has no kernel for
@@ -15,7 +16,7 @@ import json
 import onnx
 from onnxruntime.capi import _pybind_state as C
 
-from .._export.symbolics import ADAPTIVE_AVG_POOL, EINSUM, TORCH_OP_PREFIX
+from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, EINSUM, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import inferred_tensors, node_attributes, torch_node, torch_node_params
 
@@ -23,9 +24,10 @@ RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
 CONV_TRANSPOSE_GRAD = TORCH_OP_PREFIX + "conv_transpose_grad"
 EINSUM_GRAD = TORCH_OP_PREFIX + "einsum_grad"
 ADAPTIVE_AVG_POOL_GRAD = TORCH_OP_PREFIX + "adaptive_avg_pool_grad"
+FUNCTION_GRAD = TORCH_OP_PREFIX + "function_grad"
 
 #: forward operator -> its gradient's operator (one node per input, `input` added to the params)
-GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD}
+GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD, FUNCTION: FUNCTION_GRAD}
 
 # ONNX Resize (mode, coordinate_transformation_mode, nearest_mode) as torch exports F.interpolate:
 # -> (torch mode by input rank, align_corners)
@@ -64,26 +66,42 @@ def _adaptive_avg_pool_shape(shapes, params):
     return list(shapes[0][:len(shapes[0]) - len(size)]) + list(size)
 
 
+def _function_shape(shapes, params):
+    """Elementwise (the inputs broadcast) or cumulative: the broadcast shape; a determinant drops
+    the last two dims."""
+    rank = max(len(shape) for shape in shapes)
+    padded = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]
+    broadcast = [max(dims) if 1 in dims else dims[0] for dims in zip(*padded)]
+    return broadcast[:-2] if params["function"] == "linalg.det" else broadcast
+
+
 #: forward operator -> output shape(input shapes, params)
-_SHAPES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shape}
+_SHAPES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shape, FUNCTION: _function_shape,
+           DETACH: lambda shapes, params: list(shapes[0])}
 
 
 def declare_torch_node_outputs(model):
     """States the type and shape of the forward torch nodes' outputs (in place): ONNX and ONNX
     Runtime infer none for an ATen node, and without them nothing after it has a shape (an export
-    re-derived at new shapes has lost its value_info). Shapes from the inputs' inferred ones."""
+    re-derived at new shapes has lost its value_info). Shapes from the inputs' inferred ones; the
+    type alone (input 0's) where those are unknown."""
     nodes = [node for node in model.graph.node if node.domain == DOMAIN]
     for _ in range(len(nodes)):  # a torch node's shape may need an earlier one's
         tensors, declared = inferred_tensors(model), False
         for node in nodes:
-            params = json.loads(node_attributes(node).get("overload_name", b"").decode() or "{}")
-            shape_of = _SHAPES.get(node_attributes(node)["operator"].decode())
-            known = tensors.get(node.output[0], (None, None))[1]
-            inputs = [tensors.get(name, (None, None)) for name in node.input]
-            if shape_of is None or (known and all(isinstance(d, int) for d in known)) \
-                    or not all(dims and all(isinstance(d, int) for d in dims) for _, dims in inputs):
+            element_type, known = tensors.get(node.output[0], (0, None))
+            if element_type and known is not None and all(isinstance(d, int) for d in known):
                 continue
-            _set_value_info(model, node.output[0], inputs[0][0], shape_of([dims for _, dims in inputs], params))
+            attributes = node_attributes(node)
+            shape_of = _SHAPES.get(attributes["operator"].decode())
+            inputs = [tensors.get(name, (0, None)) for name in node.input]
+            shape = None
+            if shape_of is not None and all(dims is not None and all(isinstance(d, int) for d in dims)
+                                            for _, dims in inputs):
+                shape = shape_of([dims for _, dims in inputs], json.loads(attributes["overload_name"].decode() or "{}"))
+            if element_type and shape is None:
+                continue  # typed already, and no shape to add
+            _set_value_info(model, node.output[0], inputs[0][0] or onnx.TensorProto.FLOAT, shape)
             declared = True
         if not declared:
             return
@@ -103,6 +121,8 @@ def register_torch_node_gradients(model):
             continue
         attributes = node_attributes(node)
         operator, overload = attributes["operator"].decode(), attributes.get("overload_name", b"").decode()
+        if operator == DETACH:  # no gradient through it, as torch
+            C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{operator}::{overload}", {0})
         if operator not in GRADIENTS:
             continue
         params = json.loads(overload or "{}")

@@ -16,6 +16,7 @@ Pure Python (ctypes), no compiled extension. What it must get right, each pinned
 """
 import contextlib
 import ctypes
+import functools
 import json
 import threading
 
@@ -23,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
-from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, CONV_TRANSPOSE_GRAD, EINSUM, EINSUM_GRAD,
-                                  RESIZE_GRAD)
+from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM,
+                                  EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, RESIZE_GRAD)
 
 
 class TorchOpError(RuntimeError):
@@ -86,6 +87,12 @@ def _adaptive_avg_pool(inputs, params):
 _ADAPTIVE_AVG_POOLS = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 
 
+def _function(inputs, params):
+    """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det)."""
+    function = functools.reduce(getattr, params["function"].split("."), torch)
+    return [function(*inputs, *params["args"], **params["kwargs"])]
+
+
 def _input_gradient(forward):
     """The gradient node of `forward` for input params['input'] (inputs: the output's gradient,
     then the forward's inputs), by torch's autograd of the forward at these inputs."""
@@ -103,6 +110,8 @@ IMPLEMENTATIONS = {
     RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
     EINSUM: _einsum, EINSUM_GRAD: _input_gradient(_einsum),
     ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradient(_adaptive_avg_pool),
+    FUNCTION: _function, FUNCTION_GRAD: _input_gradient(_function),
+    DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
 }
 
 
