@@ -107,6 +107,13 @@ def _adaptive_avg_pool(dims):
     return symbolic
 
 
+_FLOATS = frozenset({"Float", "Double", "Half", "BFloat16", None})  # None: not known, treated as floating
+
+
+def _scalar_type_name(value):
+    return value.type().scalarType() if isinstance(value.type(), torch._C.TensorType) else "not a tensor"
+
+
 def _needs_grad(value):
     return isinstance(value.type(), torch._C.TensorType) and value.requiresGrad()
 
@@ -136,8 +143,10 @@ def _function(name, default, tensors):
 
 def _detach(g, x):
     """Tensor.detach: the exporter writes nothing for it, so the gradient builder would carry
-    gradients through where torch stops them (silently wrong gradients). In a training export,
-    where x needs a gradient: a torch node whose input is a stop-gradient edge (`_graph.torch_nodes`)."""
-    if not GLOBALS.export_training or not _needs_grad(x):
+    gradients through where torch stops them (silently wrong gradients). In a training export, for
+    a floating-point x: a torch node whose input is a stop-gradient edge (`_graph.torch_nodes`).
+    Not only where the trace says x needs a gradient: it says False for some values that do (the
+    outputs of convolutions)."""
+    if not GLOBALS.export_training or _scalar_type_name(x) not in _FLOATS:
         return x
     return _torch_node(g, DETACH, [x], rank=symbolic_helper._get_tensor_rank(x))
