@@ -263,6 +263,15 @@ class Pooled(nn.Module):
         return self.head(y.flatten(2).pow(2).mean(-1))
 
 
+def _scaled_without_gradient(h):
+    """A scale computed under torch.no_grad() (torch does not differentiate through it); an
+    in-place update of a copy there."""
+    with torch.no_grad():
+        scale = h.norm(dim=1, keepdim=True) + h.mean()
+        scale.mul_(0.5)
+    return h / scale
+
+
 class Function(nn.Module):
     """A linear layer, then a function ONNX cannot export or ONNX Runtime cannot differentiate."""
 
@@ -280,6 +289,7 @@ class Function(nn.Module):
         "det": lambda h: torch.det(h.view(-1, 2, 2)).view(h.shape[0], -1).repeat(1, 4),
         "detach": lambda h: h * h.detach(),  # the exporter drops detach: gradients would flow through it
         "detach after conv-like op": lambda h: h * F.linear(h, torch.eye(4)).detach(),
+        "no_grad": _scaled_without_gradient,
         "straight-through": lambda h: h + (torch.round(h * 2) / 2 - h).detach(),
     }
 
@@ -335,7 +345,7 @@ def test_ortrainer_trains_in_step_with_torch(case):
 
 @pytest.mark.parametrize("case", ["bilinear x1.5", "conv_transpose2d", "einsum activations", "einsum input first",
                                   "adaptive_avg_pool2d", "function erfinv", "function atan", "function cumprod",
-                                  "function detach", "function straight-through"])
+                                  "function detach", "function straight-through", "function no_grad"])
 def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
     make, shape = CASES[case]

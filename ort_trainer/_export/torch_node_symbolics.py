@@ -5,7 +5,8 @@ functions (`FUNCTIONS`). An inference export (export_onnx) keeps torch's own sym
 refusal: a plain ONNX Runtime could not run the node.
 
 `Tensor.detach` becomes a torch node whose input the gradient builder does not differentiate
-(the exporter drops it, which would carry gradients through). A torch node is written only where needed: a function ONNX exports and ONNX Runtime runs stays
+(the exporter drops it, which would carry gradients through); values computed inside
+`torch.no_grad()` are detached while tracing (`NoGradValuesDetached`). A torch node is written only where needed: a function ONNX exports and ONNX Runtime runs stays
 its ONNX op unless an input needs a gradient. The gradient builder fails when a torch node's input
 0 needs no gradient and another input needs one: einsum puts an operand that needs one first.
 """
@@ -15,6 +16,7 @@ from torch.onnx._internal.torchscript_exporter import (symbolic_opset9, symbolic
                                                        symbolic_opset12)
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 from torch.onnx.errors import SymbolicValueError, UnsupportedOperatorError
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
 
@@ -150,3 +152,20 @@ def _detach(g, x):
     if not GLOBALS.export_training or _scalar_type_name(x) not in _FLOATS:
         return x
     return _torch_node(g, DETACH, [x], rank=symbolic_helper._get_tensor_rank(x))
+
+
+class NoGradValuesDetached(torch.overrides.TorchFunctionMode):
+    """Active during a trace: a value a torch function computes under `torch.no_grad()` from a
+    tensor that requires grad comes back `.detach()`ed, so that the trace records the stop (ONNX
+    has no no-grad region; the gradient builder would differentiate through it). In-place
+    functions (their result is the tensor they changed) are left as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if torch.is_grad_enabled() or getattr(func, "__name__", "").endswith("_"):
+            return result
+        if not any(isinstance(value, torch.Tensor) and value.requires_grad for value in tree_flatten((args, kwargs))[0]):
+            return result
+        return tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) and value.is_floating_point()
+                        else value, result)

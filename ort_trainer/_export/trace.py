@@ -18,6 +18,7 @@ from .binding import BindingError, present_inputs, select_outputs, training_flag
 from .guards import DataDependentTraceError, watch_data_dependence
 from .hf_compat import export_patches
 from .symbolics import register_symbolics
+from .torch_node_symbolics import NoGradValuesDetached
 
 # What the exporter says about itself while we use it on purpose: the TorchScript exporter's
 # deprecation, and its notes on training-mode export. Other warnings (the model's own, torch's
@@ -71,7 +72,7 @@ def _export(module, args, **kwargs):
     buffer = io.BytesIO()
     try:
         with training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
-                export_patches(module), watch_data_dependence() as data_dependent:
+                export_patches(module), NoGradValuesDetached(), watch_data_dependence() as data_dependent:
             for message in _EXPORTER_NOTICES:
                 warnings.filterwarnings("ignore", message=message)
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
