@@ -6,7 +6,8 @@ refusal: a plain ONNX Runtime could not run the node.
 
 `Tensor.detach` becomes a torch node whose input the gradient builder does not differentiate
 (the exporter drops it, which would carry gradients through); values computed inside
-`torch.no_grad()` are detached while tracing (`NoGradValuesDetached`). A torch node is written only where needed: a function ONNX exports and ONNX Runtime runs stays
+`torch.no_grad()` are detached while tracing (`NoGradValuesDetached`). A torch node is written
+only where needed: a function ONNX exports and ONNX Runtime runs stays
 its ONNX op unless an input needs a gradient. The gradient builder fails when a torch node's input
 0 needs no gradient and another input needs one: einsum puts an operand that needs one first.
 """
@@ -151,19 +152,26 @@ def _detach(g, x):
     outputs of convolutions)."""
     if not GLOBALS.export_training or _scalar_type_name(x) not in _FLOATS:
         return x
-    return _torch_node(g, DETACH, [x], rank=symbolic_helper._get_tensor_rank(x))
+    output = g.op(f"{TORCH_NODE_DOMAIN}::ATen", x, operator_s=DETACH, overload_name_s=torch_node_params({}))
+    output.setType(x.type())  # x's own type and sizes: later symbolics may need them (BatchNorm's channels)
+    return output
 
 
 class NoGradValuesDetached(torch.overrides.TorchFunctionMode):
     """Active during a trace: a value a torch function computes under `torch.no_grad()` from a
     tensor that requires grad comes back `.detach()`ed, so that the trace records the stop (ONNX
-    has no no-grad region; the gradient builder would differentiate through it). In-place
-    functions (their result is the tensor they changed) are left as they are."""
+    has no no-grad region; the gradient builder would differentiate through it). Only inside a
+    trace that itself runs with gradients (a call under `torch.no_grad()` exports no gradient).
+    In-place functions (their result is the tensor they changed) are left as they are."""
+
+    def __enter__(self):
+        self._tracing_with_grad = torch.is_grad_enabled()
+        return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if torch.is_grad_enabled() or getattr(func, "__name__", "").endswith("_"):
+        if not self._tracing_with_grad or torch.is_grad_enabled() or getattr(func, "__name__", "").endswith("_"):
             return result
         if not any(isinstance(value, torch.Tensor) and value.requires_grad for value in tree_flatten((args, kwargs))[0]):
             return result

@@ -108,9 +108,14 @@ def declare_torch_node_outputs(model):
 
 
 def _set_value_info(model, name, element_type, shape):
-    kept = [info for info in model.graph.value_info if info.name != name]
-    del model.graph.value_info[:]
-    model.graph.value_info.extend([*kept, onnx.helper.make_tensor_value_info(name, element_type, shape)])
+    """The type of value `name`: in its graph output when it is one, else in value_info."""
+    info = onnx.helper.make_tensor_value_info(name, element_type, shape)
+    for values in (model.graph.output, model.graph.value_info):
+        for k, value in enumerate(values):
+            if value.name == name:
+                values[k].CopyFrom(info)
+                return
+    model.graph.value_info.append(info)
 
 
 def register_torch_node_gradients(model):
