@@ -74,8 +74,8 @@ def test_a_failing_implementation_fails_the_run_with_its_error(implementations):
         raise ValueError("the kernel's own message")
     implementations["ort_trainer::test_fails"] = fails
     session = _session("ort_trainer::test_fails")
-    with pytest.raises(torch_ops.TorchOpError, match="the torch kernel 'ort_trainer::test_fails' inside the ONNX "
-                                                     "Runtime graph failed: ValueError: the kernel's own message") as info:
+    expected = "the torch kernel 'ort_trainer::test_fails' inside the ONNX Runtime graph failed: ValueError: "
+    with pytest.raises(torch_ops.TorchOpError, match=expected + "the kernel's own message") as info:
         _run(session, np.ones(3, np.float32))
     assert isinstance(info.value.__cause__, ValueError)
     assert torch_ops.take_errors() == []  # reported once; the next run starts clean
@@ -189,6 +189,12 @@ CASES = {
 }
 
 
+def desc_for(shape):
+    """model_desc of the cases: input x of `shape`, class targets; the loss and the two logits."""
+    return {"inputs": [("x", list(shape)), ("target", [shape[0]])],
+            "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
+
+
 def _batches(shape, steps=5):
     generator = torch.Generator().manual_seed(1)
     return [(torch.randn(*shape, generator=generator), torch.randint(0, 2, (shape[0],), generator=generator))
@@ -214,8 +220,7 @@ def test_a_failing_torch_kernel_in_train_step_changes_nothing(implementations):
     make, shape = CASES["nearest x2"]
     model, (x, target) = make(), _batches(shape, steps=1)[0]
     before = copy.deepcopy(model.state_dict())
-    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(model, desc_for(shape), optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
     with pytest.raises(torch_ops.TorchOpError, match="'ort_trainer::resize_grad' inside the ONNX Runtime graph failed: "
                                                      r"RuntimeError: out of memory \(simulated\)"):
         trainer.train_step(x, target)
@@ -282,7 +287,8 @@ class Function(nn.Module):
         "atanh": lambda h: torch.atanh(torch.tanh(h) * 0.9), "erfinv": lambda h: torch.erfinv(torch.tanh(h) * 0.9),
         "expm1": torch.expm1, "trunc": lambda h: torch.trunc(h * 3) + h, "round": lambda h: torch.round(h * 3) * h,
         "round decimals": lambda h: torch.round(h, decimals=1) * h, "floor": lambda h: torch.floor(h * 3) * h,
-        "ceil": lambda h: torch.ceil(h * 3) * h, "frac": lambda h: torch.frac(h * 3), "sign": lambda h: torch.sign(h) * h,
+        "ceil": lambda h: torch.ceil(h * 3) * h, "frac": lambda h: torch.frac(h * 3),
+        "sign": lambda h: torch.sign(h) * h,
         "fmod": lambda h: torch.fmod(h * 3, 1.0), "remainder": lambda h: torch.remainder(h * 3, 1.0),
         "fmod tensor": lambda h: torch.fmod(h * 3, h.detach().abs() + 0.5),
         "cumprod": lambda h: torch.cumprod(torch.sigmoid(h), dim=1), "logcumsumexp": lambda h: torch.logcumsumexp(h, 1),
@@ -319,8 +325,7 @@ CASES.update({
 def test_eval_step_and_export_onnx_of_a_model_with_torch_nodes(tmp_path):
     make, shape = CASES["einsum input first"]
     model, (x, target) = make(), _batches(shape, steps=1)[0]
-    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(model, desc_for(shape), optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
     trainer.train_step(x, target)
     loss, y = trainer.eval_step(x, target)
     torch.testing.assert_close(y, model.eval()(x), rtol=1e-5, atol=1e-6)
@@ -337,8 +342,7 @@ def test_ortrainer_trains_in_step_with_torch(case):
     make, shape = CASES[case]
     model, batches = make(), _batches(shape)
     expected = _eager_losses(copy.deepcopy(model), batches)
-    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+    trainer = ORTTrainer(model, desc_for(shape), optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
                          options={"utils": {"grad_norm_clip": False}})
     assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
 
@@ -372,8 +376,7 @@ def test_new_batch_sizes_rederive_graphs_with_torch_nodes(case):
 def test_export_onnx_keeps_the_exporters_refusal_of_ops_onnx_lacks(tmp_path):
     make, shape = CASES["function sinh"]
     model, (x, target) = make(), _batches(shape, steps=1)[0]
-    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer = ORTTrainer(model, desc_for(shape), optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
     trainer.train_step(x, target)  # trains: a torch node
     with pytest.raises(Exception, match="aten::sinh"):  # an inference model for plain ONNX Runtime: no torch node
         trainer.export_onnx(tmp_path / "model.onnx")

@@ -30,7 +30,8 @@ DETACH = TORCH_OP_PREFIX + "detach"
 # aten op -> (torch's symbolic or None, the opset to register at: torch's, so that ours wins,
 # the number of leading tensor inputs). The torch function of the same name runs it.
 FUNCTIONS = {
-    **{name: (getattr(symbolic_opset9, name), 9, 1) for name in ("atan", "asin", "acos", "tan", "floor", "ceil", "sign")},
+    **{name: (getattr(symbolic_opset9, name), 9, 1)
+       for name in ("atan", "asin", "acos", "tan", "floor", "ceil", "sign")},
     **{name: (None, 9, 1) for name in ("sinh", "cosh", "asinh", "acosh", "atanh", "erfinv", "trunc", "frac",
                                        "expm1")},
     "round": (symbolic_opset11.round, 11, 1),
@@ -173,7 +174,8 @@ class NoGradValuesDetached(torch.overrides.TorchFunctionMode):
         result = func(*args, **kwargs)
         if not self._tracing_with_grad or torch.is_grad_enabled() or getattr(func, "__name__", "").endswith("_"):
             return result
-        if not any(isinstance(value, torch.Tensor) and value.requires_grad for value in tree_flatten((args, kwargs))[0]):
+        values = tree_flatten((args, kwargs))[0]
+        if not any(isinstance(value, torch.Tensor) and value.requires_grad for value in values):
             return result
         return tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) and value.is_floating_point()
                         else value, result)

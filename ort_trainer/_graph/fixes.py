@@ -160,9 +160,9 @@ def prepare_for_gradient(model, trainable):
     whose nodes have their optional outputs (add_second_outputs), in place: embedding padding rows
     without gradient, inference-mode BatchNormalization, InstanceNormalization and broadcast
     Where/Pow inputs as ops whose ORT gradients exist and are right; CumSum in the form whose
-    gradient `_graph.gradients` registers, and the torch nodes' gradients; ReduceMax/ReduceMin and reversing Slices (torch.flip) as
-    ops with gradients. Returns the padding-row
-    aliases added (graph inputs to bind to their weights' memory)."""
+    gradient `_graph.gradients` registers, and the torch nodes' gradients; ReduceMax/ReduceMin and
+    reversing Slices (torch.flip) as ops with gradients. Returns the padding-row aliases added
+    (graph inputs to bind to their weights' memory)."""
     register_gradients()
     register_torch_node_gradients(model)
     cumsum_as_inclusive(model)

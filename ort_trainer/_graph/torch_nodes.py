@@ -147,7 +147,8 @@ def _gradient_node(operator, inputs, outputs, params):
 
 def _string_attribute(name, value):
     attribute = C.GradientNodeAttributeDefinition()
-    attribute.name, attribute.value_json, attribute.dtype, attribute.is_tensor = name, json.dumps(value), "string", False
+    attribute.name, attribute.value_json = name, json.dumps(value)
+    attribute.dtype, attribute.is_tensor = "string", False
     return attribute
 
 
@@ -214,7 +215,8 @@ def _resize_grad(node):
     grad, x, _, scales = (list(node.input) + ["", "", "", ""])[:4]
     inputs = [grad, x] + ([scales] if scales else [])
     return torch_node(RESIZE_GRAD, inputs, list(node.output), name=node.name,
-                      params={"modes": {str(rank): m for rank, m in torch_modes.items()}, "align_corners": align_corners})
+                      params={"modes": {str(rank): mode for rank, mode in torch_modes.items()},
+                              "align_corners": align_corners})
 
 
 def _conv_transpose_grad(node):

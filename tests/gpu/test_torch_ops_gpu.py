@@ -13,7 +13,7 @@ if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not t
 
 from ort_trainer import ORTTrainer, optim  # noqa: E402
 
-from ..test_torch_ops import CASES, _batches, _eager_losses, assert_losses_close  # noqa: E402
+from ..test_torch_ops import CASES, _batches, _eager_losses, assert_losses_close, desc_for  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_tf32_off")
 NO_TF32 = {"CUDAExecutionProvider": {"use_tf32": 0}}
@@ -25,7 +25,6 @@ def test_torch_nodes_train_in_step_with_torch_on_cuda(case):
     model = make().cuda()
     batches = [(x.cuda(), target.cuda()) for x, target in _batches(shape)]
     expected = _eager_losses(copy.deepcopy(model), batches)
-    desc = {"inputs": [("x", list(shape)), ("target", [shape[0]])], "outputs": [("loss", [], True), ("y", [shape[0], 2])]}
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options={
+    trainer = ORTTrainer(model, desc_for(shape), optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options={
         "device": {"id": "cuda"}, "provider_options": NO_TF32, "utils": {"grad_norm_clip": False}})
     assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
