@@ -24,18 +24,22 @@ SHAPES = [  # name, transA, transB, M, K, N
     ("vocab forward  Y = A W^T", 0, 1, 700, 200, 28782),
     ("vocab backward dA = dY W", 0, 0, 700, 28782, 200),
     ("vocab backward dW = dY^T A", 1, 0, 28782, 700, 200),
+    ("vocab backward dW^T = A^T dY", 1, 0, 200, 700, 28782),  # the form ORT's builder writes
     ("ffn forward", 0, 1, 700, 200, 800),
     ("ffn backward dW", 1, 0, 800, 700, 200),
 ]
 
 
-def cpu_flags():
+def cpu_description():
+    """(model name, the flags that matter for bf16 products: amx*, avx512_bf16, avx512f) from /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as file:
-            flags = next(line for line in file if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return sorted(flag for flag in flags if flag.startswith(("amx", "avx512_bf16", "avx512f")))
+            lines = file.read().splitlines()
+    except OSError:
+        return platform.machine(), []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return name, sorted(flag for flag in flags if flag.startswith(("amx", "avx512_bf16", "avx512f")))
 
 
 def gemm_session(trans_a, trans_b, m, k, n, threads):
@@ -81,7 +85,8 @@ def main():
             "product": name, "mlas_fp32_ms": median_ms(lambda: session.run(None, {"a": a, "b": b}), args.repeats),
             "torch_fp32_ms": median_ms(lambda: torch.mm(left, right, out=out), args.repeats),
             "torch_bf16_ms": median_ms(lambda: torch.mm(left_bf16, right_bf16, out=out_bf16), args.repeats)})
-    print(json.dumps({"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
+    name, flags = cpu_description()
+    print(json.dumps({"cpu": name, "flags": flags,
                       "threads": args.threads, "torch": torch.__version__, "onnxruntime": onnxruntime.__version__}))
     for row in rows:
         print(f"{row['product']:28s} MLAS fp32 {row['mlas_fp32_ms']:8.2f} ms   torch fp32 {row['torch_fp32_ms']:8.2f} ms"

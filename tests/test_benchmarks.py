@@ -59,4 +59,4 @@ def test_cpu_products_benchmark_runs():
     assert done.returncode == 0, done.stderr
     header, *rows = done.stdout.strip().splitlines()
     assert set(json.loads(header)) == {"cpu", "flags", "threads", "torch", "onnxruntime"}
-    assert len(rows) == 5 and all("MLAS fp32" in row and "torch bf16" in row for row in rows)
+    assert len(rows) == 6 and all("MLAS fp32" in row and "torch bf16" in row for row in rows)
