@@ -16,7 +16,6 @@ import onnxruntime
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.onnx.errors import SymbolicValueError
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
@@ -192,10 +191,11 @@ def test_only_broadcast_parameter_inputs_are_expanded(model, broadcast_input, ot
 
 
 # ---------------------------------------------------------------- ops without a gradient
-def depth_to_space(t):
-    """pixel_shuffle of [batch, 4] as [batch, 4, 1, 1]: ONNX's DepthToSpace, which ONNX Runtime 1.19
-    cannot differentiate (atan, the earlier example, now trains through a torch node)."""
-    return F.pixel_shuffle(t.reshape(-1, 4, 1, 1), 2).reshape(-1, 4)
+def product_of_all(t):
+    """t times the product of all its entries: ONNX's ReduceProd over every axis, which ONNX Runtime
+    1.19 cannot differentiate and no torch node stands in for (atan and pixel_shuffle's
+    ReduceProd, the earlier examples, train through torch nodes now)."""
+    return t * torch.prod(t)
 
 
 class Arctangent(nn.Module):
@@ -204,7 +204,7 @@ class Arctangent(nn.Module):
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x):
-        return depth_to_space(self.linear(x))
+        return product_of_all(self.linear(x))
 
 
 class Nested(nn.Module):
@@ -232,19 +232,19 @@ VECTOR_DESC = {"inputs": [("x", ["batch", 4]), ("y", ["batch", 4])],
 def test_op_without_gradient_names_op_and_module():
     trainer = trainer_for(Nested(ArctangentBlock()), VECTOR_DESC)
     with pytest.raises(MissingGradientError, match=(
-            r"^ONNX Runtime has no gradient for DepthToSpace, used by module 'body\.1\.atan' \(ONNX node "
-            r"/model/body/body\.1/atan/DepthToSpace\) between the trainable parameters and the loss\. Compute that "
+            r"^ONNX Runtime has no gradient for ReduceProd, used by module 'body\.1\.atan' \(ONNX node "
+            r"/model/body/body\.1/atan/ReduceProd\) between the trainable parameters and the loss\. Compute that "
             r"part outside the trained graph \(e\.g\. in the data pipeline\), freeze the parameters that feed "
             r"it, or write it with ops that have gradients; if you need it as it is, report it to the "
             r"ort-trainer maintainers with this message\.$")) as raised:
         trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
     assert isinstance(raised.value, NotImplementedError)
     assert isinstance(raised.value.__cause__, RuntimeError)  # ORT's own message, chained
-    assert (raised.value.op_type, raised.value.modules) == ("DepthToSpace", ["body.1.atan"])
+    assert (raised.value.op_type, raised.value.modules) == ("ReduceProd", ["body.1.atan"])
 
 
 def test_op_without_gradient_off_the_parameters_path_trains():
-    """A DepthToSpace of the inputs alone needs no gradient."""
+    """A ReduceProd of the inputs alone needs no gradient."""
 
     class CumulativeFeatures(nn.Module):
         def __init__(self):
@@ -252,7 +252,7 @@ def test_op_without_gradient_off_the_parameters_path_trains():
             self.linear = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.linear(depth_to_space(x))
+            return self.linear(product_of_all(x))
 
     torch.manual_seed(0)
     assert_trains_like_torch(CumulativeFeatures(), VECTOR_DESC, batches((2, 4), (2, 4)))
@@ -300,17 +300,17 @@ class CumulativeOutput(nn.Module):
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x):
-        return depth_to_space(self.linear(x))
+        return product_of_all(self.linear(x))
 
 
 @pytest.mark.parametrize("model, loss_fn, where", [
-    (CumulativeOutput, mse, r"the model's own forward\(\) \(ONNX node /model/DepthToSpace\)"),
-    (lambda: nn.Linear(4, 4), lambda output, y: mse(depth_to_space(output), y),
-     r"loss_fn \(outside the model\) \(ONNX node /DepthToSpace\)"),
+    (CumulativeOutput, mse, r"the model's own forward\(\) \(ONNX node /model/ReduceProd\)"),
+    (lambda: nn.Linear(4, 4), lambda output, y: mse(product_of_all(output), y),
+     r"loss_fn \(outside the model\) \(ONNX node /ReduceProd\)"),
 ], ids=["model_forward", "loss_fn"])
 def test_op_without_gradient_outside_a_submodule(model, loss_fn, where):
     trainer = trainer_for(model(), VECTOR_DESC, loss_fn)
-    expected = f"^ONNX Runtime has no gradient for DepthToSpace, used by {where} between"
+    expected = f"^ONNX Runtime has no gradient for ReduceProd, used by {where} between"
     with pytest.raises(MissingGradientError, match=expected):
         trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
 

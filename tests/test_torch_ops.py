@@ -296,6 +296,13 @@ class Function(nn.Module):
         "detach": lambda h: h * h.detach(),  # the exporter drops detach: gradients would flow through it
         "detach after conv-like op": lambda h: h * F.linear(h, torch.eye(4)).detach(),
         "no_grad": _scaled_without_gradient,
+        "pixel_shuffle": lambda h: F.pixel_shuffle(h.reshape(-1, 4, 1, 1), 2).reshape(-1, 4),
+        "prod": lambda h: torch.prod(torch.sigmoid(h), dim=1, keepdim=True) * h,
+        "atan2": lambda h: torch.atan2(h, h.abs() + 1), "xlogy": lambda h: torch.xlogy(h, h.abs() + 1),
+        "hypot": lambda h: torch.hypot(h, h * 2), "logaddexp": lambda h: torch.logaddexp(h, -h * 2),
+        "inverse": lambda h: torch.inverse(h.reshape(-1, 2, 2) + 3 * torch.eye(2)).reshape(-1, 4),
+        "bitwise_or": lambda h: h * ((h > 0).int() | (h < 0.5).int()).float(),
+        "einsum": lambda h: torch.einsum("bi,bi->b", h, h).unsqueeze(1) * h,
         "straight-through": lambda h: h + (torch.round(h * 2) / 2 - h).detach(),
     }
 

@@ -1,20 +1,18 @@
 """Training-export symbolics that write torch nodes (`_onnx.torch_node`, run by
-`_runtime.torch_ops`) where ONNX Runtime 1.19 cannot export an op or has no gradient for it:
-einsum, adaptive average pooling to sizes that do not divide, and elementwise and cumulative
-functions (`FUNCTIONS`). An inference export (export_onnx) keeps torch's own symbolic, or its
-refusal: a plain ONNX Runtime could not run the node.
+`_runtime.torch_ops`) where the exporter refuses an op: adaptive average pooling to sizes that do
+not divide, elementwise and cumulative functions (`FUNCTIONS`), integer bitwise or. Ops it exports
+that ONNX Runtime cannot differentiate are rewritten on the graph instead, where it is known which
+values need gradients (`_graph.torch_nodes.gradients_through_torch`; the trace's requires_grad
+flags are False after convolutions). An inference export (export_onnx) keeps torch's own symbolic,
+or its refusal: a plain ONNX Runtime could not run the node.
 
 `Tensor.detach` becomes a torch node whose input the gradient builder does not differentiate
 (the exporter drops it, which would carry gradients through); values computed inside
-`torch.no_grad()` are detached while tracing (`NoGradValuesDetached`). A torch node is written
-only where needed: a function ONNX exports and ONNX Runtime runs stays
-its ONNX op unless an input needs a gradient. The gradient builder fails when a torch node's input
-0 needs no gradient and another input needs one: einsum puts an operand that needs one first.
+`torch.no_grad()` are detached while tracing (`NoGradValuesDetached`).
 """
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import (symbolic_opset9, symbolic_opset10, symbolic_opset11,
-                                                       symbolic_opset12)
+from torch.onnx._internal.torchscript_exporter import symbolic_opset9, symbolic_opset11
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 from torch.onnx.errors import SymbolicValueError, UnsupportedOperatorError
 from torch.utils._pytree import tree_flatten, tree_map
@@ -22,34 +20,32 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
 
 TORCH_OP_PREFIX = "ort_trainer::"
-EINSUM = TORCH_OP_PREFIX + "einsum"
 ADAPTIVE_AVG_POOL = TORCH_OP_PREFIX + "adaptive_avg_pool"
 FUNCTION = TORCH_OP_PREFIX + "function"
 DETACH = TORCH_OP_PREFIX + "detach"
 
 # aten op -> (torch's symbolic or None, the opset to register at: torch's, so that ours wins,
-# the number of leading tensor inputs). The torch function of the same name runs it.
+# the number of leading tensor inputs, the torch function that runs it). Constant arguments after
+# the tensors go to the function as they are (ints, floats); `_function` knows the keyword ones.
+# Ops ONNX exports but ONNX Runtime cannot differentiate are rewritten on the graph instead
+# (`_graph.torch_nodes.gradients_through_torch`): here only what the exporter refuses.
 FUNCTIONS = {
-    **{name: (getattr(symbolic_opset9, name), 9, 1)
-       for name in ("atan", "asin", "acos", "tan", "floor", "ceil", "sign")},
-    **{name: (None, 9, 1) for name in ("sinh", "cosh", "asinh", "acosh", "atanh", "erfinv", "trunc", "frac",
-                                       "expm1")},
-    "round": (symbolic_opset11.round, 11, 1),
-    "linalg_det": (symbolic_opset11.linalg_det, 11, 1),
-    "fmod": (symbolic_opset10.fmod, 10, 2),
-    "remainder": (symbolic_opset11.remainder, 11, 2),
-    "cumprod": (None, 9, 1),
-    "logcumsumexp": (None, 9, 1),
+    **{name: (None, 9, 1, name) for name in ("sinh", "cosh", "asinh", "acosh", "atanh", "erfinv", "trunc", "frac",
+                                             "expm1", "cumprod", "logcumsumexp")},
+    **{name: (None, 9, 2, name) for name in ("xlogy", "hypot", "logaddexp")},
+    "round": (symbolic_opset11.round, 11, 1, "round"),  # with decimals: refused by the exporter
+    "linalg_inv": (None, 9, 1, "linalg.inv"),
+    "bitwise_or": (symbolic_opset9.bitwise_or, 9, 2, "bitwise_or"),  # torch exports bool only
+    "__or_": (getattr(symbolic_opset9, "__or_"), 9, 2, "bitwise_or"),  # `a | b` (the registry drops a "_")
 }
 
 
 def register_torch_node_symbolics():
-    torch.onnx.register_custom_op_symbolic("aten::einsum", _einsum, 12)
     for dims in (1, 2, 3):
         torch.onnx.register_custom_op_symbolic(f"aten::adaptive_avg_pool{dims}d", _adaptive_avg_pool(dims), 9)
     torch.onnx.register_custom_op_symbolic("aten::detach", _detach, 9)
-    for name, (default, opset, tensors) in FUNCTIONS.items():
-        torch.onnx.register_custom_op_symbolic(f"aten::{name}", _function(name, default, tensors), opset)
+    for name, (default, opset, tensors, function) in FUNCTIONS.items():
+        torch.onnx.register_custom_op_symbolic(f"aten::{name}", _function(name, default, tensors, function), opset)
 
 
 def _torch_node(g, operator, inputs, *, rank, **params):
@@ -58,38 +54,6 @@ def _torch_node(g, operator, inputs, *, rank, **params):
     if rank is not None:
         output.setType(inputs[0].type().with_sizes([None] * rank))
     return output
-
-
-def _einsum(g, equation, tensor_list, path=None):
-    """torch.einsum; in a training export with an operand that needs a gradient, a torch node
-    (ONNX Runtime has no Einsum gradient), its operands reordered so that such an operand is first
-    (the gradient builder's rule, `_graph.torch_nodes`)."""
-    operands = symbolic_helper._unpack_list(tensor_list)
-    needs_grad = [operand.requiresGrad() for operand in operands]
-    if not GLOBALS.export_training or not any(needs_grad):
-        return symbolic_opset12.einsum(g, equation, tensor_list, path)
-    equation = _explicit_einsum(symbolic_helper._parse_arg(equation, "s"))
-    terms, result = equation.split("->")
-    order = sorted(range(len(operands)), key=lambda k: not needs_grad[k])  # stable: the first that needs one
-    terms = terms.split(",")
-    equation = ",".join(terms[k] for k in order) + "->" + result
-    ranks = [symbolic_helper._get_tensor_rank(operand) for operand in operands]
-    ellipsis = {rank - len(term.replace("...", "")) for term, rank in zip(terms, ranks) if "..." in term
-                and rank is not None}
-    rank = len(result.replace("...", "")) + (max(ellipsis, default=0) if "..." in result else 0)
-    rank = None if "..." in result and None in ranks else rank
-    return _torch_node(g, EINSUM, [operands[k] for k in order], rank=rank, equation=equation)
-
-
-def _explicit_einsum(equation):
-    """`equation` with its output spelled out: implicit, it is the labels used once, in
-    alphabetical order, after the ellipsis' dims when there is one (torch's rule)."""
-    equation = equation.replace(" ", "")
-    if "->" in equation:
-        return equation
-    labels = equation.replace(",", "").replace("...", "")
-    once = "".join(sorted(label for label in set(labels) if labels.count(label) == 1))
-    return equation + "->" + ("..." if "..." in equation else "") + once
 
 
 def _adaptive_avg_pool(dims):
@@ -118,31 +82,42 @@ def _scalar_type_name(value):
     return value.type().scalarType() if isinstance(value.type(), torch._C.TensorType) else "not a tensor"
 
 
-def _needs_grad(value):
-    return isinstance(value.type(), torch._C.TensorType) and value.requiresGrad()
-
-
-def _function(name, default, tensors):
-    """The symbolic of aten::`name`: a torch node (FUNCTION) in a training export where an input
-    needs a gradient or ONNX has no such op, else torch's symbolic (or its refusal)."""
+def _function(name, default, tensors, function):
+    """The symbolic of aten::`name`: torch's where it has one and it takes the case; else, in a
+    training export, a torch node (FUNCTION); else torch's refusal."""
     def symbolic(g, *args):
         inputs, constants = list(args[:tensors]), args[tensors:]
-        if not GLOBALS.export_training or (default is not None and not any(map(_needs_grad, inputs))):
-            if default is None:
-                raise UnsupportedOperatorError(f"aten::{name}", GLOBALS.export_onnx_opset_version, None)
-            return default(g, *args)
-        params = {"function": name.replace("linalg_", "linalg."), "args": [], "kwargs": {}}
-        if name in ("cumprod", "logcumsumexp"):
+        if default is not None:
+            try:
+                return default(g, *args)
+            except SymbolicValueError:  # bitwise_or of integers, round with decimals
+                if not GLOBALS.export_training:
+                    raise
+        elif not GLOBALS.export_training:
+            raise UnsupportedOperatorError(f"aten::{name}", GLOBALS.export_onnx_opset_version, None)
+        params = {"function": function, "args": [], "kwargs": {}}
+        if name == "round":  # round.decimals: a keyword
+            if constants and not symbolic_helper._is_none(constants[0]):
+                params["kwargs"] = {"decimals": symbolic_helper._get_const(constants[0], "i", "decimals")}
+        elif name == "cumprod":  # (dim, dtype=None), dtype a keyword
             params["args"] = [symbolic_helper._get_const(constants[0], "i", "dim")]
-            if name == "cumprod" and not symbolic_helper._is_none(constants[1]):
+            if not symbolic_helper._is_none(constants[1]):
                 raise SymbolicValueError("torch.cumprod with a dtype cannot be trained in ONNX Runtime: cast the "
                                          "input instead", inputs[0])
-        elif name == "round" and constants and not symbolic_helper._is_none(constants[0]):
-            params["kwargs"] = {"decimals": symbolic_helper._get_const(constants[0], "i", "decimals")}
+        else:
+            params["args"] = [_constant_value(value, name) for value in constants]
         ranks = [symbolic_helper._get_tensor_rank(value) for value in inputs]  # None: unknown, or a scalar
-        rank = None if ranks[0] is None else max(r for r in ranks if r is not None) - (2 if name == "linalg_det" else 0)
+        rank = None if ranks[0] is None else max(r for r in ranks if r is not None)
         return _torch_node(g, FUNCTION, inputs, rank=rank, **params)
     return symbolic
+
+
+def _constant_value(value, name):
+    """A constant argument as a Python number (or list of numbers)."""
+    constant = symbolic_helper._maybe_get_const(value, "t")
+    if not isinstance(constant, torch.Tensor):
+        raise SymbolicValueError(f"aten::{name}: an argument computed in the graph (a constant is needed)", value)
+    return constant.tolist()
 
 
 def _detach(g, x):

@@ -8,7 +8,7 @@ from .._export.symbolics import MARKER_DOMAIN
 from .._onnx import computed_from, inferred_tensors, int64_constant, node_attributes, parameters_as_inputs
 from .gradients import cumsum_as_inclusive, extrema_differentiable, flips_as_gathers, register_gradients
 from .normalization import decompose_instance_normalization, inference_batch_norm_as_primitives
-from .torch_nodes import register_torch_node_gradients
+from .torch_nodes import gradients_through_torch, register_torch_node_gradients
 
 # Nodes whose optional outputs the gradient builder reads, and how many outputs it needs (Dropout's
 # mask, SoftmaxCrossEntropyLoss's log_prob, LayerNormalization's mean and inverse standard deviation
@@ -160,10 +160,12 @@ def prepare_for_gradient(model, trainable):
     whose nodes have their optional outputs (add_second_outputs), in place: embedding padding rows
     without gradient, inference-mode BatchNormalization, InstanceNormalization and broadcast
     Where/Pow inputs as ops whose ORT gradients exist and are right; CumSum in the form whose
-    gradient `_graph.gradients` registers, and the torch nodes' gradients; ReduceMax/ReduceMin and
+    gradient `_graph.gradients` registers; ops ORT cannot differentiate as torch nodes, and the
+    torch nodes' gradients; ReduceMax/ReduceMin and
     reversing Slices (torch.flip) as ops with gradients. Returns the padding-row aliases added
     (graph inputs to bind to their weights' memory)."""
     register_gradients()
+    gradients_through_torch(model, trainable)
     register_torch_node_gradients(model)
     cumsum_as_inclusive(model)
     extrema_differentiable(model)

@@ -1,13 +1,14 @@
 """Graph nodes that run PyTorch kernels inside ONNX Runtime (`_onnx.torch_node`; the executor:
 `_runtime.torch_ops`).
 
-- Forward ops ONNX Runtime cannot export or differentiate are exported as torch nodes
-  (`_export.symbolics`: einsum, adaptive average pooling that does not divide); their gradients,
+- Forward ops the exporter refuses are exported as torch nodes (`_export.torch_node_symbolics`),
+  and ops on the gradient path that ONNX Runtime cannot differentiate become torch nodes
+  (`gradients_through_torch`: einsum, atan, floor, det, ...); their gradients,
   torch nodes too, are registered with the gradient builder per node parameters
   (`register_torch_node_gradients`), one gradient node per input; `Tensor.detach`'s input is
   registered as a stop-gradient edge. The builder drops a gradient
   node whose input needs no gradient, but fails when input 0 is one of those and another input
-  needs one: the exports put an input that needs a gradient first.
+  needs one: einsum's operands are reordered so that one that needs a gradient is first.
 - In built training graphs for the CPU, the gradient nodes its provider has no kernel for
   (`ResizeGrad`, `ConvTransposeGrad`) become torch's backward (`substitute_torch_kernels`).
 """
@@ -16,10 +17,11 @@ import json
 import onnx
 from onnxruntime.capi import _pybind_state as C
 
-from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, EINSUM, FUNCTION, TORCH_OP_PREFIX
+from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import inferred_tensors, node_attributes, torch_node, torch_node_params
+from .._onnx import computed_from, inferred_tensors, node_attributes, torch_node, torch_node_params
 
+EINSUM = TORCH_OP_PREFIX + "einsum"
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
 CONV_TRANSPOSE_GRAD = TORCH_OP_PREFIX + "conv_transpose_grad"
 EINSUM_GRAD = TORCH_OP_PREFIX + "einsum_grad"
@@ -68,10 +70,17 @@ def _adaptive_avg_pool_shape(shapes, params):
 
 def _function_shape(shapes, params):
     """Elementwise (the inputs broadcast) or cumulative: the broadcast shape; a determinant drops
-    the last two dims."""
+    the last two dims; pixel_shuffle moves channels into the spatial dims; prod reduces one."""
     rank = max(len(shape) for shape in shapes)
     padded = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]
     broadcast = [max(dims) if 1 in dims else dims[0] for dims in zip(*padded)]
+    if params["function"] == "prod":  # one axis, keepdim
+        axis, keepdim = params["args"]
+        axis %= len(broadcast)
+        return broadcast[:axis] + ([1] if keepdim else []) + broadcast[axis + 1:]
+    if params["function"] == "pixel_shuffle":  # [..., C r^2, H, W] -> [..., C, H r, W r]
+        r = params["args"][0]
+        return broadcast[:-3] + [broadcast[-3] // (r * r), broadcast[-2] * r, broadcast[-1] * r]
     return broadcast[:-2] if params["function"] == "linalg.det" else broadcast
 
 
@@ -116,6 +125,80 @@ def _set_value_info(model, name, element_type, shape):
                 values[k].CopyFrom(info)
                 return
     model.graph.value_info.append(info)
+
+
+# ONNX ops ONNX Runtime 1.19 cannot differentiate -> the torch function of the same math.
+_TORCH_FUNCTIONS = {"Atan": "atan", "Asin": "asin", "Acos": "acos", "Tan": "tan", "Floor": "floor", "Ceil": "ceil",
+                    "Sign": "sign", "Round": "round", "Det": "linalg.det"}
+
+
+def _as_torch_function(node, opset):
+    """(torch function, constant args) of an ONNX node torch can run with its own gradient, or None."""
+    attributes = node_attributes(node)
+    if node.op_type in _TORCH_FUNCTIONS:
+        return _TORCH_FUNCTIONS[node.op_type], []
+    if node.op_type == "DepthToSpace" and attributes.get("mode", b"DCR") == b"CRD":  # pixel_shuffle's order
+        return "pixel_shuffle", [attributes["blocksize"]]
+    if node.op_type == "Mod" and attributes.get("fmod", 0) == 1:
+        return "fmod", []
+    if node.op_type == "ReduceProd" and opset < 18 and len(attributes.get("axes", [])) == 1:
+        return "prod", [attributes["axes"][0], bool(attributes.get("keepdims", 1))]
+    return None
+
+
+def _explicit_einsum(equation):
+    """`equation` with its output spelled out: implicit, it is the labels used once, in
+    alphabetical order, after the ellipsis' dims when there is one (torch's rule)."""
+    equation = equation.replace(" ", "")
+    if "->" in equation:
+        return equation
+    labels = equation.replace(",", "").replace("...", "")
+    once = "".join(sorted(label for label in set(labels) if labels.count(label) == 1))
+    return equation + "->" + ("..." if "..." in equation else "") + once
+
+
+def _einsum_node(node, reached):
+    """Einsum as a torch node, its operands reordered so that one that needs a gradient is first
+    (the builder fails on a torch node whose input 0 needs none while another does)."""
+    equation = _explicit_einsum(node_attributes(node)["equation"].decode())
+    terms, result = equation.split("->")
+    terms = terms.split(",")
+    order = sorted(range(len(node.input)), key=lambda k: node.input[k] not in reached)  # stable
+    equation = ",".join(terms[k] for k in order) + "->" + result
+    return torch_node(EINSUM, [node.input[k] for k in order], list(node.output), name=node.name,
+                      params={"equation": equation})
+
+
+def gradients_through_torch(model, trainable):
+    """Rewrites (in place) each op on the way from the `trainable` inputs that ONNX Runtime cannot
+    differentiate, and torch can, as a torch node (FUNCTION: the torch function and its autograd
+    gradient): einsum, atan, asin, acos, tan, floor, ceil, sign, round, det, pixel_shuffle
+    (DepthToSpace in CRD order), fmod, a one-axis prod. Decided on the graph, where the trace's requires_grad
+    flags are not reliable (False after convolutions); the eval graph keeps the ONNX ops."""
+    reached, opset = computed_from(model, trainable), next(
+        (o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 14)
+    nodes, rewritten = [], False
+    for node in model.graph.node:
+        torch_function = None
+        if node.domain in ("", "ai.onnx") and reached.intersection(node.input):
+            if node.op_type == "Einsum":
+                nodes.append(_einsum_node(node, reached))
+                rewritten = True
+                continue
+            torch_function = _as_torch_function(node, opset)
+        if torch_function is None:
+            nodes.append(node)
+            continue
+        function, args = torch_function
+        nodes.append(torch_node(FUNCTION, [name for name in node.input if name], list(node.output)[:1],
+                                name=node.name, params={"function": function, "args": args, "kwargs": {}}))
+        rewritten = True
+    if rewritten:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+        declare_torch_node_outputs(model)
 
 
 def register_torch_node_gradients(model):
