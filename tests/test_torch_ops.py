@@ -135,6 +135,30 @@ def test_threads_run_torch_nodes_concurrently(implementations):
     assert failures == []
 
 
+def test_each_thread_raises_its_own_runs_errors(implementations):
+    def fails(inputs, params):
+        raise ValueError("only in the failing thread")
+    implementations["ort_trainer::test_fails"] = fails
+    implementations["ort_trainer::test_square"] = lambda inputs, params: [inputs[0] * inputs[0]]
+    failing, working = _session("ort_trainer::test_fails"), _session("ort_trainer::test_square")
+    outcomes = []
+
+    def fail_repeatedly():
+        for _ in range(100):
+            try:
+                _run(failing, np.ones(3, np.float32))
+            except torch_ops.TorchOpError:
+                outcomes.append("raised by name")
+            except Exception as error:  # noqa: BLE001 - ORT's own error: the recorded one was lost
+                outcomes.append(type(error).__name__)
+    thread = threading.Thread(target=fail_repeatedly)
+    thread.start()
+    for _ in range(100):
+        np.testing.assert_array_equal(_run(working, np.full(3, 3, np.float32))[0], [9, 9, 9])
+    thread.join(timeout=60)
+    assert outcomes == ["raised by name"] * 100
+
+
 def test_parallel_execution_is_refused_for_graphs_with_torch_nodes():
     options = onnxruntime.SessionOptions()
     options.execution_mode = onnxruntime.ExecutionMode.ORT_PARALLEL

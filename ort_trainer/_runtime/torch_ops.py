@@ -44,8 +44,16 @@ _capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.p
 _capsule_rename = ctypes.pythonapi.PyCapsule_SetName
 _capsule_rename.restype, _capsule_rename.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
 
-_lock = threading.Lock()
-_errors = []  # (operator, exception) recorded by failed calls, raised by the run that made them
+_lock = threading.Lock()  # registration
+# (operator, exception) recorded by failed calls, per thread: ONNX Runtime runs a sequential graph's
+# nodes on the thread that called run, so each run finds its own errors.
+_recorded = threading.local()
+
+
+def _errors():
+    if not hasattr(_recorded, "errors"):
+        _recorded.errors = []
+    return _recorded.errors
 _registered = []  # the callbacks, kept alive for the life of the process
 
 
@@ -138,8 +146,7 @@ def _execute(operator, overload, count_in, inputs, count_out, outputs):
         storages = {t.untyped_storage().data_ptr() for t in tensors}
         results = [r.clone() if r.untyped_storage().data_ptr() in storages else r.contiguous() for r in results]
     except Exception as error:  # noqa: BLE001 - nothing may cross into C; the run raises it
-        with _lock:
-            _errors.append((name, error))
+        _errors().append((name, error))
         results = [_POISON.clone() for _ in range(count_out)]
     del tensors  # the inputs' deleters run now: nothing of ONNX Runtime's memory is kept
     for k, result in enumerate(results):
@@ -159,11 +166,11 @@ def register_executor():
 
 
 def take_errors():
-    """The errors recorded since the last call, oldest first."""
-    with _lock:
-        errors = list(_errors)
-        _errors.clear()
-    return errors
+    """The errors this thread's runs recorded since the last call, oldest first."""
+    errors = _errors()
+    taken = list(errors)
+    errors.clear()
+    return taken
 
 
 @contextlib.contextmanager
