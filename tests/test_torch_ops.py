@@ -404,6 +404,43 @@ def test_new_batch_sizes_rederive_graphs_with_torch_nodes(case):
     assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
 
 
+class Sampled(nn.Module):
+    """REINFORCE-style: classes drawn with torch.multinomial, the loss on their log-probabilities."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 5)
+
+    def forward(self, x):
+        log_probs = F.log_softmax(self.linear(x), dim=1)
+        drawn = torch.multinomial(log_probs.exp(), 3, replacement=True)
+        return -log_probs.gather(1, drawn).mean(), drawn
+
+
+def test_multinomial_draws_from_torchs_generator():
+    """The same draws as eager PyTorch after the same torch.manual_seed (ONNX's Multinomial would
+    draw from ONNX Runtime's generator), so the losses agree step by step."""
+    model, inputs = Sampled(), [torch.randn(6, 4, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    reference = copy.deepcopy(model)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch.manual_seed(7)
+    expected = []
+    for x in inputs:
+        sgd.zero_grad()
+        loss, drawn = reference(x)
+        loss.backward()
+        sgd.step()
+        expected.append((loss.item(), drawn))
+    desc = {"inputs": [("x", [6, 4])], "outputs": [("loss", [], True), ("drawn", [6, 3], False)]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), options={"utils": {"grad_norm_clip": False}})
+    torch.manual_seed(7)
+    for step, x in enumerate(inputs):
+        loss, drawn = trainer.train_step(x)
+        assert torch.equal(drawn, expected[step][1]), step
+        np.testing.assert_allclose(loss.item(), expected[step][0], rtol=LOSS_RTOL)
+
+
 def test_export_onnx_keeps_the_exporters_refusal_of_ops_onnx_lacks(tmp_path):
     make, shape = CASES["function sinh"]
     model, (x, target) = make(), _batches(shape, steps=1)[0]

@@ -10,6 +10,7 @@ or its refusal: a plain ONNX Runtime could not run the node.
 (the exporter drops it, which would carry gradients through); values computed inside
 `torch.no_grad()` are detached while tracing (`NoGradValuesDetached`).
 """
+import onnx
 import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import symbolic_opset9, symbolic_opset11
@@ -36,6 +37,7 @@ FUNCTIONS = {
     "round": (symbolic_opset11.round, 11, 1, "round"),  # with decimals: refused by the exporter
     "linalg_inv": (None, 9, 1, "linalg.inv"),
     "bitwise_or": (symbolic_opset9.bitwise_or, 9, 2, "bitwise_or"),  # torch exports bool only
+    "multinomial": (symbolic_opset9.multinomial, 9, 1, "multinomial"),
     "__or_": (getattr(symbolic_opset9, "__or_"), 9, 2, "bitwise_or"),  # `a | b` (the registry drops a "_")
 }
 
@@ -82,12 +84,17 @@ def _scalar_type_name(value):
     return value.type().scalarType() if isinstance(value.type(), torch._C.TensorType) else "not a tensor"
 
 
+# Ops a training export always runs in torch: multinomial draws from torch's generator (ONNX's
+# Multinomial from ONNX Runtime's), so that `torch.manual_seed` reproduces the eager draws.
+_TORCH_IN_TRAINING = frozenset({"multinomial"})
+
+
 def _function(name, default, tensors, function):
     """The symbolic of aten::`name`: torch's where it has one and it takes the case; else, in a
     training export, a torch node (FUNCTION); else torch's refusal."""
     def symbolic(g, *args):
         inputs, constants = list(args[:tensors]), args[tensors:]
-        if default is not None:
+        if default is not None and not (GLOBALS.export_training and name in _TORCH_IN_TRAINING):
             try:
                 return default(g, *args)
             except SymbolicValueError:  # bitwise_or of integers, round with decimals
@@ -104,11 +111,20 @@ def _function(name, default, tensors, function):
             if not symbolic_helper._is_none(constants[1]):
                 raise SymbolicValueError("torch.cumprod with a dtype cannot be trained in ONNX Runtime: cast the "
                                          "input instead", inputs[0])
+        elif name == "multinomial":  # (num_samples, replacement, *, generator): int64 indices
+            if not symbolic_helper._is_none(constants[2]):
+                raise SymbolicValueError("torch.multinomial with a generator cannot be traced: draw from the "
+                                         "default generator (torch.manual_seed)", inputs[0])
+            params["args"] = [_constant_value(value, name) for value in constants[:2]]
+            params["output_type"] = onnx.TensorProto.INT64
         else:
             params["args"] = [_constant_value(value, name) for value in constants]
         ranks = [symbolic_helper._get_tensor_rank(value) for value in inputs]  # None: unknown, or a scalar
         rank = None if ranks[0] is None else max(r for r in ranks if r is not None)
-        return _torch_node(g, FUNCTION, inputs, rank=rank, **params)
+        output = _torch_node(g, FUNCTION, inputs, rank=rank, **params)
+        if "output_type" in params and rank is not None:
+            output.setType(inputs[0].type().with_dtype(torch.int64).with_sizes([None] * rank))
+        return output
     return symbolic
 
 

@@ -74,6 +74,8 @@ def _function_shape(shapes, params):
     rank = max(len(shape) for shape in shapes)
     padded = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]
     broadcast = [max(dims) if 1 in dims else dims[0] for dims in zip(*padded)]
+    if params["function"] == "multinomial":  # [..., classes] -> [..., num_samples]
+        return broadcast[:-1] + [params["args"][0]]
     if params["function"] == "prod":  # one axis, keepdim
         axis, keepdim = params["args"]
         axis %= len(broadcast)
@@ -93,7 +95,7 @@ def declare_torch_node_outputs(model):
     """States the type and shape of the forward torch nodes' outputs (in place): ONNX and ONNX
     Runtime infer none for an ATen node, and without them nothing after it has a shape (an export
     re-derived at new shapes has lost its value_info). Shapes from the inputs' inferred ones; the
-    type alone (input 0's) where those are unknown."""
+    type alone where those are unknown: input 0's, or the node's `output_type` parameter."""
     nodes = [node for node in model.graph.node if node.domain == DOMAIN]
     for _ in range(len(nodes)):  # a torch node's shape may need an earlier one's
         tensors, declared = inferred_tensors(model), False
@@ -102,15 +104,17 @@ def declare_torch_node_outputs(model):
             if element_type and known is not None and all(isinstance(d, int) for d in known):
                 continue
             attributes = node_attributes(node)
+            params = json.loads(attributes["overload_name"].decode() or "{}")
             shape_of = _SHAPES.get(attributes["operator"].decode())
             inputs = [tensors.get(name, (0, None)) for name in node.input]
             shape = None
             if shape_of is not None and all(dims is not None and all(isinstance(d, int) for d in dims)
                                             for _, dims in inputs):
-                shape = shape_of([dims for _, dims in inputs], json.loads(attributes["overload_name"].decode() or "{}"))
+                shape = shape_of([dims for _, dims in inputs], params)
             if element_type and shape is None:
                 continue  # typed already, and no shape to add
-            _set_value_info(model, node.output[0], inputs[0][0] or onnx.TensorProto.FLOAT, shape)
+            element_type = params.get("output_type") or inputs[0][0] or onnx.TensorProto.FLOAT
+            _set_value_info(model, node.output[0], element_type, shape)
             declared = True
         if not declared:
             return

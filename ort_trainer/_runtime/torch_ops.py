@@ -98,7 +98,7 @@ _ADAPTIVE_AVG_POOLS = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.
 def _function(inputs, params):
     """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det)."""
     function = functools.reduce(getattr, params["function"].split("."), torch)
-    return [function(*inputs, *params["args"], **params["kwargs"])]
+    return [function(*inputs, *params["args"], **params["kwargs"])]  # output_type: informs the graph only
 
 
 def _input_gradient(forward):
