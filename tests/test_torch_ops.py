@@ -327,6 +327,9 @@ class Function(nn.Module):
         "inverse": lambda h: torch.inverse(h.reshape(-1, 2, 2) + 3 * torch.eye(2)).reshape(-1, 4),
         "bitwise_or": lambda h: h * ((h > 0).int() | (h < 0.5).int()).float(),
         "einsum": lambda h: torch.einsum("bi,bi->b", h, h).unsqueeze(1) * h,
+        "cummax": lambda h: torch.cummax(h, 1).values + h.gather(1, torch.cummin(h, 1).indices),
+        "median": lambda h: torch.median(h) * h + torch.median(h, dim=1, keepdim=True).values,
+        "kthvalue": lambda h: torch.kthvalue(h, 2, dim=1).values.unsqueeze(1) * h,
         "straight-through": lambda h: h + (torch.round(h * 2) / 2 - h).detach(),
     }
 
@@ -380,7 +383,7 @@ def test_ortrainer_trains_in_step_with_torch(case):
 
 @pytest.mark.parametrize("case", ["bilinear x1.5", "conv_transpose2d", "einsum activations", "einsum input first",
                                   "adaptive_avg_pool2d", "function erfinv", "function atan", "function cumprod",
-                                  "function detach", "function straight-through", "function no_grad"])
+                                  "function detach", "function straight-through", "function no_grad", "function cummax"])
 def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
     make, shape = CASES[case]

@@ -38,6 +38,7 @@ FUNCTIONS = {
     "linalg_inv": (None, 9, 1, "linalg.inv"),
     "bitwise_or": (symbolic_opset9.bitwise_or, 9, 2, "bitwise_or"),  # torch exports bool only
     "multinomial": (symbolic_opset9.multinomial, 9, 1, "multinomial"),
+    **{name: (None, 9, 1, name) for name in ("cummax", "cummin", "median", "kthvalue")},  # (values, indices)
     "__or_": (getattr(symbolic_opset9, "__or_"), 9, 2, "bitwise_or"),  # `a | b` (the registry drops a "_")
 }
 
@@ -121,11 +122,32 @@ def _function(name, default, tensors, function):
             params["args"] = [_constant_value(value, name) for value in constants]
         ranks = [symbolic_helper._get_tensor_rank(value) for value in inputs]  # None: unknown, or a scalar
         rank = None if ranks[0] is None else max(r for r in ranks if r is not None)
+        if name in _WITH_INDICES and (name != "median" or constants):
+            return _values_and_indices(g, inputs[0], rank, params)
+        if name == "median":  # of all the values: a 0-d value only
+            rank = 0
         output = _torch_node(g, FUNCTION, inputs, rank=rank, **params)
         if "output_type" in params and rank is not None:
             output.setType(inputs[0].type().with_dtype(torch.int64).with_sizes([None] * rank))
         return output
     return symbolic
+
+
+_WITH_INDICES = frozenset({"cummax", "cummin", "median", "kthvalue"})
+
+
+def _values_and_indices(g, x, rank, params):
+    """A torch node with two outputs, (values, int64 indices), as torch's cummax or median(dim)
+    return; the gradient flows through the values."""
+    params = {**params, "outputs": 2}
+    values, indices = g.op(f"{TORCH_NODE_DOMAIN}::ATen", x, operator_s=FUNCTION,
+                           overload_name_s=torch_node_params(params), outputs=2)
+    if params["function"] in ("median", "kthvalue") and rank is not None and not params["args"][-1]:
+        rank -= 1  # the dim is reduced away (keepdim False)
+    if rank is not None:
+        values.setType(x.type().with_sizes([None] * rank))
+        indices.setType(x.type().with_dtype(torch.int64).with_sizes([None] * rank))
+    return values, indices
 
 
 def _constant_value(value, name):

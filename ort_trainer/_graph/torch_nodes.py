@@ -74,6 +74,12 @@ def _function_shape(shapes, params):
     rank = max(len(shape) for shape in shapes)
     padded = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]
     broadcast = [max(dims) if 1 in dims else dims[0] for dims in zip(*padded)]
+    if params["function"] == "median" and not params["args"]:  # of all the values
+        return []
+    if params["function"] in ("median", "kthvalue"):  # (..., dim, keepdim): one dim reduced
+        dim, keepdim = params["args"][-2:]
+        dim %= len(broadcast)
+        return broadcast[:dim] + ([1] if keepdim else []) + broadcast[dim + 1:]
     if params["function"] == "multinomial":  # [..., classes] -> [..., num_samples]
         return broadcast[:-1] + [params["args"][0]]
     if params["function"] == "prod":  # one axis, keepdim
@@ -115,6 +121,8 @@ def declare_torch_node_outputs(model):
                 continue  # typed already, and no shape to add
             element_type = params.get("output_type") or inputs[0][0] or onnx.TensorProto.FLOAT
             _set_value_info(model, node.output[0], element_type, shape)
+            for indices in node.output[1:]:  # (values, indices) functions: int64, the values' shape
+                _set_value_info(model, indices, onnx.TensorProto.INT64, shape)
             declared = True
         if not declared:
             return

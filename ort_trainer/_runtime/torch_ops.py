@@ -98,7 +98,8 @@ _ADAPTIVE_AVG_POOLS = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.
 def _function(inputs, params):
     """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det)."""
     function = functools.reduce(getattr, params["function"].split("."), torch)
-    return [function(*inputs, *params["args"], **params["kwargs"])]  # output_type: informs the graph only
+    result = function(*inputs, *params["args"], **params["kwargs"])  # output_type: informs the graph only
+    return list(result) if params.get("outputs", 1) > 1 else [result]  # (values, indices)
 
 
 def _input_gradient(forward):
@@ -108,7 +109,7 @@ def _input_gradient(forward):
         grad, operands, k = inputs[0], list(inputs[1:]), params["input"]
         operands[k] = operands[k].detach().requires_grad_(True)
         with torch.enable_grad():
-            output, = forward(operands, params)
+            output = forward(operands, params)[0]  # the values of (values, indices)
         return list(torch.autograd.grad(output, operands[k], grad))
     return gradient
 
