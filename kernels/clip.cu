@@ -47,7 +47,7 @@ ort_trainer_clip_divisor_f32(const double* partials, int nparts, double max_norm
         const double norm = sqrt(s);
         double divisor = scale_ptr != nullptr ? *scale_ptr : loss_scale;
         if (norm > divisor * max_norm) divisor = norm / max_norm;
-        if (skip_non_finite != 0 && !ort_isfinite(norm)) divisor = 0.0 / 0.0;
+        if (skip_non_finite != 0 && !ort_isfinite(norm)) divisor = norm - norm;  // NaN: norm is inf or NaN
         out[0] = s;
         out[1] = norm;
         out[2] = divisor;
