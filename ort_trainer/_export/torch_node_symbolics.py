@@ -51,10 +51,12 @@ def register_torch_node_symbolics():
         torch.onnx.register_custom_op_symbolic(f"aten::{name}", _function(name, default, tensors, function), opset)
 
 
-def _torch_node(g, operator, inputs, *, rank, **params):
-    """A torch node (`_onnx.torch_node`): its output has input 0's element type and `rank` dims."""
-    output = g.op(f"{TORCH_NODE_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=torch_node_params(params))
-    if rank is not None:
+def _torch_node(g, operator, inputs, *, rank, outputs=1, **params):
+    """A torch node (`_onnx.torch_node`); one output has input 0's element type and `rank` dims
+    (`outputs` > 1: a tuple, typed by the caller)."""
+    output = g.op(f"{TORCH_NODE_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=torch_node_params(params),
+                  outputs=outputs)
+    if rank is not None and outputs == 1:
         output.setType(inputs[0].type().with_sizes([None] * rank))
     return output
 
@@ -139,9 +141,7 @@ _WITH_INDICES = frozenset({"cummax", "cummin", "median", "kthvalue"})
 def _values_and_indices(g, x, rank, params):
     """A torch node with two outputs, (values, int64 indices), as torch's cummax or median(dim)
     return; the gradient flows through the values."""
-    params = {**params, "outputs": 2}
-    values, indices = g.op(f"{TORCH_NODE_DOMAIN}::ATen", x, operator_s=FUNCTION,
-                           overload_name_s=torch_node_params(params), outputs=2)
+    values, indices = _torch_node(g, FUNCTION, [x], rank=None, outputs=2, **params)
     if params["function"] in ("median", "kthvalue") and rank is not None and not params["args"][-1]:
         rank -= 1  # the dim is reduced away (keepdim False)
     if rank is not None:
@@ -166,7 +166,7 @@ def _detach(g, x):
     outputs of convolutions)."""
     if not GLOBALS.export_training or _scalar_type_name(x) not in _FLOATS:
         return x
-    output = g.op(f"{TORCH_NODE_DOMAIN}::ATen", x, operator_s=DETACH, overload_name_s=torch_node_params({}))
+    output = _torch_node(g, DETACH, [x], rank=None)
     output.setType(x.type())  # x's own type and sizes: later symbolics may need them (BatchNorm's channels)
     return output
 

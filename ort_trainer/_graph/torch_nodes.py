@@ -19,7 +19,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import computed_from, inferred_tensors, node_attributes, torch_node, torch_node_params
+from .._onnx import computed_from, inferred_tensors, node_attributes, onnx_opset, torch_node, torch_node_params
 
 EINSUM = TORCH_OP_PREFIX + "einsum"
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
@@ -185,10 +185,9 @@ def gradients_through_torch(model, trainable):
     """Rewrites (in place) each op on the way from the `trainable` inputs that ONNX Runtime cannot
     differentiate, and torch can, as a torch node (FUNCTION: the torch function and its autograd
     gradient): einsum, atan, asin, acos, tan, floor, ceil, sign, round, det, pixel_shuffle
-    (DepthToSpace in CRD order), fmod, a one-axis prod. Decided on the graph, where the trace's requires_grad
-    flags are not reliable (False after convolutions); the eval graph keeps the ONNX ops."""
-    reached, opset = computed_from(model, trainable), next(
-        (o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 14)
+    (DepthToSpace in CRD order), fmod, a one-axis prod. Decided on the graph, where the trace's
+    requires_grad flags are not reliable (False after convolutions); the eval graph keeps the ONNX ops."""
+    reached, opset = computed_from(model, trainable), onnx_opset(model)
     nodes, rewritten = [], False
     for node in model.graph.node:
         torch_function = None
@@ -206,11 +205,16 @@ def gradients_through_torch(model, trainable):
                                 name=node.name, params={"function": function, "args": args, "kwargs": {}}))
         rewritten = True
     if rewritten:
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
-        if not any(o.domain == DOMAIN for o in model.opset_import):
-            model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+        _replace_nodes(model, nodes)
         declare_torch_node_outputs(model)
+
+
+def _replace_nodes(model, nodes):
+    """`model`'s nodes become `nodes` (some of them torch nodes): their domain is imported."""
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    if not any(opset.domain == DOMAIN for opset in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
 
 
 def register_torch_node_gradients(model):
@@ -271,14 +275,11 @@ def substitute_torch_kernels(training):
         added += [(output, element_type) for output in replacement.output]
     if not added:
         return
-    del graph.node[:]
-    graph.node.extend(nodes)
+    _replace_nodes(training, nodes)
     known = {info.name for info in graph.value_info}
     for output, element_type in added:  # ATen outputs have no type inference: declare them
         if output not in known:
             graph.value_info.append(onnx.helper.make_tensor_value_info(output, element_type, None))
-    if not any(opset.domain == DOMAIN for opset in training.opset_import):
-        training.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
 
 
 def _value_types(model):

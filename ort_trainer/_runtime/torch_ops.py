@@ -99,7 +99,7 @@ def _function(inputs, params):
     """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det)."""
     function = functools.reduce(getattr, params["function"].split("."), torch)
     result = function(*inputs, *params["args"], **params["kwargs"])  # output_type: informs the graph only
-    return list(result) if params.get("outputs", 1) > 1 else [result]  # (values, indices)
+    return list(result) if isinstance(result, tuple) else [result]  # (values, indices) as torch returns them
 
 
 def _input_gradient(forward):

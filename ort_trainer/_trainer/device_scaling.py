@@ -66,11 +66,10 @@ class DeviceScaling:
         self._stale = False
         self._optimizer = optimizer
         optimizer.count_on_device(self.counters)
-        self.push()  # nothing is stale yet
+        self.push()  # nothing is stale yet; sets _applied_at_most
         for mirrored in (info, scaler, scheduler):
             if mirrored is not None:
                 mirrored._mirror = self
-        self._applied_at_most = info._optimization_step
 
     def update(self, flat, *, lr, max_norm):
         """One update of `flat` from its gradients: clip, skip or apply, count, move the scale."""
