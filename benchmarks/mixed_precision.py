@@ -10,7 +10,10 @@ alternates); reports the median of the per-round ms/step, the ratios against ORT
 worst relative loss difference of ORTTrainer's first --warmup losses from eager autocast's (same
 init, same batches, dropout 0). CPU peak memory: benchmarks/train_step.py --measure-memory
 --mixed-precision. On the CPU fp16 is emulated (DESIGN.md, "Mixed precision"): slower than fp32
-there, as recorded in BENCHMARKS.md; bf16 is refused on the CPU.
+there, as recorded in BENCHMARKS.md; bf16 runs torch's bf16 products inside the graph on CPUs with
+AMX or AVX512-BF16 and is refused on others. The JSON records the CPU's flags.
+
+    python benchmarks/mixed_precision.py --device cpu --models seed gpt2 --dtypes float32 bfloat16 --gpt2-layers 2
 """
 import argparse
 import copy
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.wikitext2.model import TransformerModel  # noqa: E402
 from examples.wikitext2.train import make_loss_fn  # noqa: E402
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
+from ort_trainer._graph.autocast import cpu_has_bf16_instructions  # noqa: E402
 
 
 class Workload:
@@ -162,8 +166,9 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if args.device == "cpu" and "bfloat16" in args.dtypes:
-        p.error("--dtypes bfloat16: ORTTrainer refuses bf16 on the CPU (DESIGN.md, 'Mixed precision')")
+    if args.device == "cpu" and "bfloat16" in args.dtypes and not cpu_has_bf16_instructions():
+        p.error("--dtypes bfloat16: this CPU has no bf16 instructions (AMX or AVX512-BF16), ORTTrainer refuses bf16 "
+                "on it (DESIGN.md, 'Mixed precision')")
     return args
 
 
@@ -179,7 +184,9 @@ def main(argv=None):
                             "ort_vs_eager_worst_relative_loss_difference": worst})
             print(f"{model_name:5s} {dtype:9s} " + " | ".join(f"{name} {value:8.2f} ms" for name, value in ms.items())
                   + f" | ort vs eager loss {worst:.1e}", flush=True)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "amx": torch.cpu._is_amx_tile_supported(),
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "threads": torch.get_num_threads()}
     if args.json:
         args.json.write_text(json.dumps({"device": device, "config": vars(args) | {"json": str(args.json)},
                                          "results": results}, indent=2) + "\n")

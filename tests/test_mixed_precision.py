@@ -290,24 +290,6 @@ def test_ortmodule_graph_follows_the_autocast_state(monkeypatch):
         assert wrapped(x).dtype == torch.float32
 
 
-def test_bf16_on_the_cpu_is_refused_by_name(monkeypatch):
-    from ort_trainer.ortmodule import ORTModule
-
-    message = "ONNX Runtime's CPU provider has no bfloat16 kernels"
-    with pytest.raises(NotImplementedError, match=re.escape("mixed_precision.dtype='bfloat16' on device 'cpu': " +
-                                                            message)):
-        _trainer(_sequential(), _cross_entropy, SEQUENTIAL_DESC, enabled=True, dtype="bfloat16")
-    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
-    wrapped = ORTModule(_sequential())
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(NotImplementedError, match=re.escape(
-            "torch.autocast('cpu', bfloat16): " + message)):
-        wrapped(_sequential_batch(0)[0])
-    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_UNSUPPORTED_DEVICE")
-    wrapped = ORTModule(_sequential())
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="runs in PyTorch"):
-        assert wrapped(_sequential_batch(0)[0]).dtype == torch.bfloat16
-
-
 def test_options_of_mixed_precision_are_checked():
     with pytest.raises(ValueError, match=re.escape(
             "Invalid options: mixed_precision.dtype is set, but mixed_precision.enabled is False")):

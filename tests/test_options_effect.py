@@ -52,7 +52,7 @@ HONOURED = {
         "test_distributed.py::test_training_equals_one_process_on_the_global_batch",
     "lr_scheduler": "test_trainer_features.py::test_scheduler_sets_the_lr_of_every_update",
     "mixed_precision.enabled": "test_mixed_precision.py::test_the_graph_rounds_where_its_rules_say",
-    "mixed_precision.dtype": "test_mixed_precision.py::test_bf16_on_the_cpu_is_refused_by_name",
+    "mixed_precision.dtype": "test_bf16_cpu.py::test_every_product_computes_as_torch_bf16_kernels",
     "mixed_precision.loss_scaler":
         "test_trainer_features.py::test_non_finite_gradients_skip_the_update_and_back_off_the_scale",
     "utils.frozen_weights": "test_trainer_features.py::test_frozen_weights_get_no_gradient_and_stay_put",

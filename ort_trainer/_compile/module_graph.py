@@ -64,7 +64,9 @@ class ModuleGraph:
         weights_as_inputs(exported, weights)
         declare_torch_node_outputs(exported)
         if compute_dtype is not None:
-            lower_precision(exported, compute_dtype, device_type=device_type)
+            differentiable = trainable + [i.name for i in exported.graph.input
+                                          if needs_grad and i.name in values and values[i.name].requires_grad]
+            lower_precision(exported, compute_dtype, device_type=device_type, differentiable=differentiable)
             lowered = {name: str(dtype).removeprefix("torch.") for name, dtype in zip(outputs, schema.dtypes)
                        if dtype in (torch.float16, torch.bfloat16)}
             cast_outputs(exported, lowered)

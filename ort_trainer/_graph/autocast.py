@@ -17,9 +17,15 @@ around an fp32 kernel, so a real fp16 MatMul would silently compute in fp32. The
 the output round-trip through the lower precision (`Cast(fp16)`, `Cast(float)`, which ONNX Runtime
 keeps) around an fp32 product: the values autocast's fp16 kernels see and return (fp32
 accumulation, as tensor cores and torch's CPU kernels accumulate), gradients included (the
-gradient of each round trip is a round trip), at fp32 speed plus the casts.
+gradient of each round trip is a round trip), at fp32 speed plus the casts. In bf16, on CPUs
+with bf16 instructions (AMX or AVX512-BF16), the products run torch's bf16 kernels inside the graph
+instead (`_graph.torch_products`; ONNX Runtime's CPU provider has no bf16 kernel); on others bf16
+is refused (`unsupported`): torch's bf16 products are slower than fp32 there.
 """
 import onnx
+import torch
+
+from .torch_products import products_as_torch_nodes
 
 LOWER_PRECISION_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul")
 COMPUTE_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
@@ -31,17 +37,22 @@ _TYPE_CHANGING_OPS = {"Shape", "Size", "Cast", "CastLike", "Equal", "Less", "Gre
                       "DynamicQuantizeLinear"}
 
 
-def lower_precision(model, dtype, *, device_type):
+def lower_precision(model, dtype, *, device_type, differentiable=()):
     """Rewrites `model` (an exported forward, in place): the inputs of each LOWER_PRECISION_OPS
     node that computes in fp32 are cast to `dtype` ('float16' or 'bfloat16'; one cast per tensor,
     shared by its consumers), the node computes in `dtype` and its output is cast back to fp32
-    under its old name; on the CPU (`device_type`) as round trips around the fp32 node (see the
-    module docstring). Returns the number of nodes rewritten."""
+    under its old name; on the CPU (`device_type`) bf16 products become torch nodes, the other
+    products round trips around the fp32 node (see the module docstring). `differentiable`: the
+    inputs gradients flow from. Returns the number of nodes rewritten."""
     emulated = device_type == "cpu"
     types = element_types(model)
+    rewritten = 0
+    if emulated and dtype == "bfloat16":
+        rewritten = len(products_as_torch_nodes(model, lambda node: _computes_in_fp32(node, types),
+                                                differentiable=differentiable))
     suffix = f"__{dtype}"
     lowered = {}  # tensor -> its lower-precision copy (on the CPU: rounded, in fp32)
-    nodes, rewritten = [], 0
+    nodes = []
     for node in model.graph.node:
         if node.op_type not in LOWER_PRECISION_OPS or not _computes_in_fp32(node, types):
             nodes.append(node)
@@ -96,11 +107,17 @@ def element_types(model):
     return types
 
 
+def cpu_has_bf16_instructions():
+    """Whether this CPU multiplies bf16 matrices natively (AMX or AVX512-BF16), as torch detects it."""
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
+
 def unsupported(device_type, dtype):
     """Why the graphs cannot compute in `dtype` on `device_type` ('cpu', 'cuda'), or None."""
-    if device_type == "cpu" and dtype == "bfloat16":
-        return ("ONNX Runtime's CPU provider has no bfloat16 kernels, so a bf16 graph could only emulate its "
-                "products, slower than fp32; on the CPU train in fp32, or in dtype='float16' for parity checks")
+    if device_type == "cpu" and dtype == "bfloat16" and not cpu_has_bf16_instructions():
+        return ("this CPU has no bfloat16 instructions (AMX or AVX512-BF16): ONNX Runtime's CPU provider has no "
+                "bfloat16 kernels and torch's bf16 matrix products run 15-190x slower than fp32 here (BENCHMARKS.md); "
+                "on this CPU train in fp32, or in dtype='float16' for parity checks")
     return None
 
 
@@ -128,4 +145,7 @@ def cast_outputs(model, dtypes):
             node.input[:] = [computed if value == name else value for value in node.input]
         model.graph.node.append(onnx.helper.make_node("Cast", [computed], [name], to=COMPUTE_TYPES[dtype],
                                                       name=f"{name}_to_{dtype}"))
+        computed_info = model.graph.value_info.add()  # a torch node's output gets no inferred type
+        computed_info.CopyFrom(output)
+        computed_info.name = computed
         output.type.tensor_type.elem_type = COMPUTE_TYPES[dtype]

@@ -125,6 +125,11 @@ class Recompute:
         copies = [_copies(group, modes) for group in groups]
         for group in copies:
             model.graph.node.extend(group)
+        copied = {output for group in groups for node in group for output in node.output if output}
+        for info in [*model.graph.value_info, *model.graph.output]:  # torch nodes' copies get no inferred type
+            if info.name in copied:
+                model.graph.value_info.add().CopyFrom(info)
+                model.graph.value_info[-1].name = _recomputed(info.name)
         return model.SerializeToString(), (forward, [{copy.name for copy in group} for group in copies])
 
     def _layer_groups(self, nodes, producers, modes, graph_outputs):

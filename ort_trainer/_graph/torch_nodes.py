@@ -27,9 +27,12 @@ CONV_TRANSPOSE_GRAD = TORCH_OP_PREFIX + "conv_transpose_grad"
 EINSUM_GRAD = TORCH_OP_PREFIX + "einsum_grad"
 ADAPTIVE_AVG_POOL_GRAD = TORCH_OP_PREFIX + "adaptive_avg_pool_grad"
 FUNCTION_GRAD = TORCH_OP_PREFIX + "function_grad"
+PRODUCT = TORCH_OP_PREFIX + "bf16_product"  # `_graph.torch_products`
+PRODUCT_GRAD = TORCH_OP_PREFIX + "bf16_product_grad"
 
 #: forward operator -> its gradient's operator (one node per input, `input` added to the params)
-GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD, FUNCTION: FUNCTION_GRAD}
+GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD, FUNCTION: FUNCTION_GRAD,
+             PRODUCT: PRODUCT_GRAD}
 
 # ONNX Resize (mode, coordinate_transformation_mode, nearest_mode) as torch exports F.interpolate:
 # -> (torch mode by input rank, align_corners)
@@ -120,15 +123,15 @@ def declare_torch_node_outputs(model):
             if element_type and shape is None:
                 continue  # typed already, and no shape to add
             element_type = params.get("output_type") or inputs[0][0] or onnx.TensorProto.FLOAT
-            _set_value_info(model, node.output[0], element_type, shape)
+            set_value_info(model, node.output[0], element_type, shape)
             for indices in node.output[1:]:  # (values, indices) functions: int64, the values' shape
-                _set_value_info(model, indices, onnx.TensorProto.INT64, shape)
+                set_value_info(model, indices, onnx.TensorProto.INT64, shape)
             declared = True
         if not declared:
             return
 
 
-def _set_value_info(model, name, element_type, shape):
+def set_value_info(model, name, element_type, shape):
     """The type of value `name`: in its graph output when it is one, else in value_info."""
     info = onnx.helper.make_tensor_value_info(name, element_type, shape)
     for values in (model.graph.output, model.graph.value_info):
@@ -205,11 +208,11 @@ def gradients_through_torch(model, trainable):
                                 name=node.name, params={"function": function, "args": args, "kwargs": {}}))
         rewritten = True
     if rewritten:
-        _replace_nodes(model, nodes)
+        replace_nodes(model, nodes)
         declare_torch_node_outputs(model)
 
 
-def _replace_nodes(model, nodes):
+def replace_nodes(model, nodes):
     """`model`'s nodes become `nodes` (some of them torch nodes): their domain is imported."""
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -275,7 +278,7 @@ def substitute_torch_kernels(training):
         added += [(output, element_type) for output in replacement.output]
     if not added:
         return
-    _replace_nodes(training, nodes)
+    replace_nodes(training, nodes)
     known = {info.name for info in graph.value_info}
     for output, element_type in added:  # ATen outputs have no type inference: declare them
         if output not in known:
@@ -329,6 +332,6 @@ def _conv_transpose_grad(node):
     # every output is written: the ones the builder left unnamed (not needed) get a name
     outputs = [name or f"{node.name}__unused_{k}" for k, name in enumerate((list(node.output) + [""] * 3)[:3])]
     return torch_node(CONV_TRANSPOSE_GRAD, list(node.input)[:3], outputs, name=node.name, params={
-        "stride": list(attributes.get("strides", [])), "padding": pads[:half],
+        "transposed": True, "stride": list(attributes.get("strides", [])), "padding": pads[:half],
         "dilation": list(attributes.get("dilations", [])), "output_padding": list(attributes.get("output_padding", [])),
         "groups": int(attributes.get("group", 1))})

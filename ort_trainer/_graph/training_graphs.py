@@ -122,6 +122,7 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     if compute_dtype is not None:
         lower = functools.partial(lower_precision, dtype=compute_dtype, device_type=device_type)
         lower(eval_model)
+        lower = functools.partial(lower, differentiable=trainable)
     if batch_statistics is not None:
         batch_statistics.rewrite(model)
     prepare_for_gradient(model, trainable)
@@ -138,7 +139,11 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
 
 
 def _set_outputs(model, names):
+    """The graph outputs become `names`, in order; the others stay typed as value_info (a torch
+    node's output gets no inferred type)."""
     outputs = {o.name: o for o in model.graph.output}
     ordered = [outputs[name] for name in names]
+    known = {info.name for info in model.graph.value_info}
+    model.graph.value_info.extend(o for name, o in outputs.items() if name not in names and name not in known)
     del model.graph.output[:]
     model.graph.output.extend(ordered)

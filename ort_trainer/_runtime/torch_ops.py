@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM,
-                                  EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, RESIZE_GRAD)
+                                  EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD)
+from .torch_products import convolution_args, product, product_gradient
 
 
 class TorchOpError(RuntimeError):
@@ -76,12 +77,8 @@ def _interpolate_grad(inputs, params):
 
 def _conv_transpose_grad(inputs, params):
     grad, x, weight = inputs
-    dims = weight.dim() - 2  # ONNX defaults for the attributes left out: strides 1, pads 0, ...
-    stride, padding, dilation, output_padding = (params[key] or [default] * dims for key, default in (
-        ("stride", 1), ("padding", 0), ("dilation", 1), ("output_padding", 0)))
-    return list(torch.ops.aten.convolution_backward(
-        grad, x, weight, [weight.shape[1] * params["groups"]], stride, padding, dilation, True, output_padding,
-        params["groups"], [True, True, True]))
+    return list(torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[1] * params["groups"]],
+                                                    *convolution_args(weight, params), [True, True, True]))
 
 
 def _einsum(inputs, params):
@@ -121,6 +118,7 @@ IMPLEMENTATIONS = {
     ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradient(_adaptive_avg_pool),
     FUNCTION: _function, FUNCTION_GRAD: _input_gradient(_function),
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
+    PRODUCT: product, PRODUCT_GRAD: product_gradient,
 }
 
 

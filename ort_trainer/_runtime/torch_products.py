@@ -1,0 +1,100 @@
+"""The kernels of the bf16 product torch nodes (`_graph.torch_products`): fp32 in, bf16 compute
+(torch's kernels accumulate in fp32), fp32 out, as torch.autocast's bf16 ops and their autograd.
+
+Each gradient node computes one input's gradient from the bf16 output gradient, with no forward
+recomputed: a product's gradient costs one product, as in torch's backward. Batched operands that
+broadcast are summed back to their shape; a weight multiplied by a batch of rows gets one product
+over all the rows, as torch's linear computes it.
+"""
+import torch
+
+_BF16 = torch.bfloat16
+
+
+def _operands(inputs, params):
+    """The product's operands in the ONNX node's order (the torch node lists them reordered)."""
+    ordered = [None] * len(inputs)
+    for position, operand in enumerate(params["operands"]):
+        ordered[operand] = inputs[position]
+    return ordered
+
+
+def _transposed(tensor, flag):
+    return tensor.mT if flag else tensor
+
+
+def convolution_args(weight, params):
+    """stride, padding, dilation, transposed, output_padding, groups: ONNX's defaults filled in."""
+    dims = weight.dim() - 2
+    stride, padding, dilation, output_padding = (params[key] or [default] * dims for key, default in (
+        ("stride", 1), ("padding", 0), ("dilation", 1), ("output_padding", 0)))
+    return stride, padding, dilation, params["transposed"], output_padding, params["groups"]
+
+
+def product(inputs, params):
+    """The forward: the operands cast to bf16, the product in bf16, its result in fp32."""
+    operands = [tensor.to(_BF16) for tensor in _operands(inputs, params)]
+    kind = params["kind"]
+    if kind == "convolution":
+        bias = operands[2] if len(operands) > 2 else None
+        result = torch.ops.aten.convolution(operands[0], operands[1], bias, *convolution_args(operands[1], params))
+        return [result.float()]
+    a, b = _transposed(operands[0], params["trans_a"]), _transposed(operands[1], params["trans_b"])
+    if kind == "gemm" and len(operands) > 2:
+        return [torch.addmm(operands[2], a, b, beta=params["beta"], alpha=params["alpha"]).float()]
+    if len(operands) > 2:  # a MatMul and the bias Add after it (alpha 1): as torch's linear adds it
+        if b.dim() == 2 and a.dim() >= 2:
+            rows = torch.addmm(operands[2], a.reshape(-1, a.shape[-1]), b)
+            return [rows.reshape(*a.shape[:-1], b.shape[-1]).float()]
+        return [(torch.matmul(a, b) + operands[2]).float()]
+    result = torch.matmul(a, b).float()
+    return [result * params["alpha"] if params["alpha"] != 1.0 else result]
+
+
+def product_gradient(inputs, params):
+    """The gradient of operand `params['input']` (the torch node's input order) from the output's
+    gradient (inputs[0]) and the forward's inputs, in fp32: what torch's autograd of `product` gives."""
+    grad, operands = inputs[0], _operands(inputs[1:], params)
+    operand = params["operands"][params["input"]]
+    if params["kind"] == "convolution":
+        return [_convolution_gradient(grad.to(_BF16), operands, operand, params).float()]
+    in_bf16 = params["kind"] == "gemm" and len(operands) > 2  # addmm scales in bf16, matmul's alpha is fp32
+    alpha = params["alpha"] if in_bf16 else 1.0
+    grad = grad.to(_BF16) if in_bf16 or params["alpha"] == 1.0 else (grad * params["alpha"]).to(_BF16)
+    if operand == 2:  # Gemm's C, added as beta * C, or the bias added to a MatMul
+        beta = params.get("beta", 1.0)
+        return [(grad * beta if beta != 1.0 else grad).sum_to_size(operands[2].shape).float()]
+    a, b = (_transposed(operands[k].to(_BF16), params[flag]) for k, flag in ((0, "trans_a"), (1, "trans_b")))
+    shape = operands[operand].shape
+    if a.dim() < 2 or b.dim() < 2:
+        result = _vector_product_gradient(grad, a, b, operand)
+    elif operand == 0:  # of op(A): grad @ op(B)^T
+        result = _rows_product(b.mT, grad.mT, shape) if params["trans_a"] else _rows_product(grad.mT, b.mT, shape)
+    else:  # of op(B): op(A)^T @ grad
+        result = _rows_product(grad, a, shape) if params["trans_b"] else _rows_product(a, grad, shape)
+    return [(result * alpha if alpha != 1.0 else result).float()]
+
+
+def _rows_product(left, right, shape):
+    """left^T @ right summed to `shape`: one product over all the rows of a batch when the result
+    is a matrix (a weight's gradient, as torch's linear and matmul compute it)."""
+    if len(shape) == 2 and left.dim() > 2 and left.shape[:-1] == right.shape[:-1]:
+        return left.reshape(-1, left.shape[-1]).mT.mm(right.reshape(-1, right.shape[-1]))
+    return (left.mT @ right).sum_to_size(shape)
+
+
+def _vector_product_gradient(grad, a, b, operand):
+    """A product with a 1-d operand: torch's autograd of the bf16 matmul (transposes do not apply)."""
+    operands = [a.detach(), b.detach()]
+    operands[operand].requires_grad_(True)
+    with torch.enable_grad():
+        result = torch.matmul(*operands)
+    return torch.autograd.grad(result, operands[operand], grad)[0]
+
+
+def _convolution_gradient(grad, operands, operand, params):
+    x, weight = operands[0].to(_BF16), operands[1].to(_BF16)
+    mask = [operand == k for k in range(3)]
+    bias_sizes = [operands[2].shape[0]] if len(operands) > 2 else None
+    return torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, *convolution_args(weight, params),
+                                               mask)[operand]
