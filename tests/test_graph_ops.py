@@ -191,11 +191,12 @@ def test_only_broadcast_parameter_inputs_are_expanded(model, broadcast_input, ot
 
 
 # ---------------------------------------------------------------- ops without a gradient
-def product_of_all(t):
-    """t times the product of all its entries: ONNX's ReduceProd over every axis, which ONNX Runtime
-    1.19 cannot differentiate and no torch node stands in for (atan and pixel_shuffle's
-    ReduceProd, the earlier examples, train through torch nodes now)."""
-    return t * torch.prod(t)
+def edge_padded(t):
+    """t plus its edge-padded shift: ONNX's Pad in edge mode (F.pad's "replicate"), which ONNX
+    Runtime 1.19 cannot differentiate (its Pad gradient is for constant padding) and no torch node
+    stands in for (atan, pixel_shuffle and ReduceProd, the earlier examples, train through torch
+    nodes now)."""
+    return t + nn.functional.pad(t.unsqueeze(1), (1, 1), mode="replicate")[:, 0, :-2]
 
 
 class Arctangent(nn.Module):
@@ -204,7 +205,7 @@ class Arctangent(nn.Module):
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x):
-        return product_of_all(self.linear(x))
+        return edge_padded(self.linear(x))
 
 
 class Nested(nn.Module):
@@ -232,19 +233,20 @@ VECTOR_DESC = {"inputs": [("x", ["batch", 4]), ("y", ["batch", 4])],
 def test_op_without_gradient_names_op_and_module():
     trainer = trainer_for(Nested(ArctangentBlock()), VECTOR_DESC)
     with pytest.raises(MissingGradientError, match=(
-            r"^ONNX Runtime has no gradient for ReduceProd, used by module 'body\.1\.atan' \(ONNX node "
-            r"/model/body/body\.1/atan/ReduceProd\) between the trainable parameters and the loss\. Compute that "
+            r"^ONNX Runtime has no gradient for Pad \(Pad gradient currently supports constant mode only\), used by "
+            r"module 'body\.1\.atan' \(ONNX node /model/body/body\.1/atan/Pad\) between the trainable parameters "
+            r"and the loss\. Compute that "
             r"part outside the trained graph \(e\.g\. in the data pipeline\), freeze the parameters that feed "
             r"it, or write it with ops that have gradients; if you need it as it is, report it to the "
             r"ort-trainer maintainers with this message\.$")) as raised:
         trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
     assert isinstance(raised.value, NotImplementedError)
     assert isinstance(raised.value.__cause__, RuntimeError)  # ORT's own message, chained
-    assert (raised.value.op_type, raised.value.modules) == ("ReduceProd", ["body.1.atan"])
+    assert (raised.value.op_type, raised.value.modules) == ("Pad", ["body.1.atan"])
 
 
 def test_op_without_gradient_off_the_parameters_path_trains():
-    """A ReduceProd of the inputs alone needs no gradient."""
+    """An edge Pad of the inputs alone needs no gradient."""
 
     class CumulativeFeatures(nn.Module):
         def __init__(self):
@@ -252,7 +254,7 @@ def test_op_without_gradient_off_the_parameters_path_trains():
             self.linear = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.linear(product_of_all(x))
+            return self.linear(edge_padded(x))
 
     torch.manual_seed(0)
     assert_trains_like_torch(CumulativeFeatures(), VECTOR_DESC, batches((2, 4), (2, 4)))
@@ -300,17 +302,18 @@ class CumulativeOutput(nn.Module):
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x):
-        return product_of_all(self.linear(x))
+        return edge_padded(self.linear(x))
 
 
 @pytest.mark.parametrize("model, loss_fn, where", [
-    (CumulativeOutput, mse, r"the model's own forward\(\) \(ONNX node /model/ReduceProd\)"),
-    (lambda: nn.Linear(4, 4), lambda output, y: mse(product_of_all(output), y),
-     r"loss_fn \(outside the model\) \(ONNX node /ReduceProd\)"),
+    (CumulativeOutput, mse, r"the model's own forward\(\) \(ONNX node /model/Pad\)"),
+    (lambda: nn.Linear(4, 4), lambda output, y: mse(edge_padded(output), y),
+     r"loss_fn \(outside the model\) \(ONNX node /Pad\)"),
 ], ids=["model_forward", "loss_fn"])
 def test_op_without_gradient_outside_a_submodule(model, loss_fn, where):
     trainer = trainer_for(model(), VECTOR_DESC, loss_fn)
-    expected = f"^ONNX Runtime has no gradient for ReduceProd, used by {where} between"
+    expected = (r"^ONNX Runtime has no gradient for Pad \(Pad gradient currently supports constant mode only\), "
+                f"used by {where} between")
     with pytest.raises(MissingGradientError, match=expected):
         trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
 

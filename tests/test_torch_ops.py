@@ -331,6 +331,31 @@ class Function(nn.Module):
         "median": lambda h: torch.median(h) * h + torch.median(h, dim=1, keepdim=True).values,
         "kthvalue": lambda h: torch.kthvalue(h, 2, dim=1).values.unsqueeze(1) * h,
         "straight-through": lambda h: h + (torch.round(h * 2) / 2 - h).detach(),
+        # ORT's Pow gradient ignores the exponent's: trained silently wrong before
+        "pow base and exponent": lambda h: torch.pow(h.abs() + 1, torch.tanh(h)),
+        "pow of a constant": lambda h: torch.pow(2.0, h),  # the builder failed: the base needs no gradient
+        "prod of all": lambda h: torch.prod(torch.sigmoid(h)) * h,
+        "l1 norm": lambda h: h * torch.norm(h, p=1, dim=1, keepdim=True),
+        "l1 norm of all": lambda h: h * torch.linalg.vector_norm(h, 1),
+        "l2 norm of all": lambda h: h * torch.linalg.vector_norm(h),  # ReduceL2 without keepdims: ORT's graph failed
+        "l2 norms of rows": lambda h: (h.T / torch.linalg.vector_norm(h, 2, 1)).T,
+        "xlogy of a constant": lambda h: torch.xlogy(torch.full((4,), 2.0), h.abs() + 1),
+        "xlogy of a detached value": lambda h: torch.xlogy(h.detach().abs() + 1, h.abs() + 1),
+        # two Concats read one ones tensor: ORT's builder defined its gradient twice
+        "cdist": lambda h: torch.cdist(h, h * 2 + 1, compute_mode="use_mm_for_euclid_dist")[:, :4],
+        "mode": lambda h: torch.mode(torch.round(h * 2), 1, keepdim=True).values + h * torch.mode(
+            torch.round(h * 2), 0).values,
+        "exp2 sinc erfc": lambda h: torch.exp2(h) + torch.sinc(h) + torch.erfc(h),
+        "lgamma digamma mvlgamma": lambda h: torch.lgamma(h.abs() + 1) * torch.digamma(h.abs() + 1)
+        + torch.mvlgamma(h.abs() + 2, 2),
+        "i0 rad2deg deg2rad": lambda h: torch.i0(h) + torch.rad2deg(h) * torch.deg2rad(h),
+        "special ndtr ndtri log_ndtr entr xlog1py": lambda h: torch.special.ndtr(h) + torch.special.log_ndtr(h)
+        + torch.special.ndtri(torch.sigmoid(h)) + torch.special.entr(torch.sigmoid(h))
+        + torch.special.xlog1py(h, h.abs()),
+        "copysign fmin fmax logaddexp2 ldexp": lambda h: torch.copysign(h, h - 0.2) + torch.copysign(h, -1.0)
+        + torch.fmin(h, h * 0.5) * torch.fmax(h, -h) + torch.logaddexp2(h, h * h) + torch.ldexp(h, torch.tensor(2)),
+        "nansum nanmean": lambda h: h * torch.nansum(h) + h * torch.nanmean(h, 1, keepdim=True),
+        "renorm threshold": lambda h: torch.renorm(h, 2, 0, 1.0) + F.threshold(h, 0.1, 2.0),
     }
 
     def __init__(self, name):
@@ -383,13 +408,34 @@ def test_ortrainer_trains_in_step_with_torch(case):
 
 @pytest.mark.parametrize("case", ["bilinear x1.5", "conv_transpose2d", "einsum activations", "einsum input first",
                                   "adaptive_avg_pool2d", "function erfinv", "function atan", "function cumprod",
-                                  "function detach", "function straight-through", "function no_grad", "function cummax"])
+                                  "function detach", "function straight-through", "function no_grad", "function cummax",
+                                  "function pow base and exponent", "function pow of a constant",
+                                  "function prod of all", "function l2 norm of all",
+                                  "function xlogy of a detached value", "function mode", "function exp2 sinc erfc",
+                                  "function nansum nanmean"])
 def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
     make, shape = CASES[case]
     model, batches = make(), _batches(shape)
     expected = _eager_losses(copy.deepcopy(model), batches)
     assert_losses_close(_eager_losses(ORTModule(model), batches), expected)
+
+
+def test_ortmodule_names_the_concatenation_its_builder_cannot_differentiate(monkeypatch):
+    """ORTModule's builder optimizes inside (where ORTTrainer fixes the graph after ONNX Runtime's
+    optimizer): torch.cdist's two concatenations of one ones tensor fail there, by name; under the
+    default fallback policy that call runs in PyTorch, with a warning, and trains as torch."""
+    make, shape = CASES["function cdist"]
+    model, batches = make(), _batches(shape)
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    with pytest.raises(NotImplementedError, match=(
+            r"ONNX Runtime's gradient builder defined the gradient of '/model/ConstantOfShape\w*' twice: a tensor "
+            r"that needs no gradient is concatenated \(torch.cat\) twice")):
+        ORTModule(copy.deepcopy(model))(batches[0][0])
+    monkeypatch.delenv("ORTMODULE_FALLBACK_POLICY")
+    expected = _eager_losses(copy.deepcopy(model), batches)
+    with pytest.warns(UserWarning, match="runs in PyTorch"):
+        assert_losses_close(_eager_losses(ORTModule(model), batches), expected)
 
 
 @pytest.mark.parametrize("case", ["einsum ellipsis", "adaptive_avg_pool2d"])

@@ -32,13 +32,19 @@ DETACH = TORCH_OP_PREFIX + "detach"
 # (`_graph.torch_nodes.gradients_through_torch`): here only what the exporter refuses.
 FUNCTIONS = {
     **{name: (None, 9, 1, name) for name in ("sinh", "cosh", "asinh", "acosh", "atanh", "erfinv", "trunc", "frac",
-                                             "expm1", "cumprod", "logcumsumexp")},
-    **{name: (None, 9, 2, name) for name in ("xlogy", "hypot", "logaddexp")},
+                                             "expm1", "cumprod", "logcumsumexp", "exp2", "sinc", "lgamma", "digamma",
+                                             "erfc", "i0", "rad2deg", "deg2rad", "mvlgamma", "renorm", "nansum",
+                                             "nanmean")},
+    **{f"special_{name}": (None, 9, 1, f"special.{name}") for name in ("ndtr", "ndtri", "log_ndtr", "entr")},
+    **{name: (None, 9, 2, name) for name in ("xlogy", "hypot", "logaddexp", "logaddexp2", "copysign", "fmin", "fmax",
+                                             "ldexp")},
+    "special_xlog1py": (None, 9, 2, "special.xlog1py"),
+    "threshold": (symbolic_opset9.threshold, 9, 1, "threshold"),  # a non-zero threshold: refused by the exporter
     "round": (symbolic_opset11.round, 11, 1, "round"),  # with decimals: refused by the exporter
     "linalg_inv": (None, 9, 1, "linalg.inv"),
     "bitwise_or": (symbolic_opset9.bitwise_or, 9, 2, "bitwise_or"),  # torch exports bool only
     "multinomial": (symbolic_opset9.multinomial, 9, 1, "multinomial"),
-    **{name: (None, 9, 1, name) for name in ("cummax", "cummin", "median", "kthvalue")},  # (values, indices)
+    **{name: (None, 9, 1, name) for name in ("cummax", "cummin", "median", "kthvalue", "mode")},  # (values, indices)
     "__or_": (getattr(symbolic_opset9, "__or_"), 9, 2, "bitwise_or"),  # `a | b` (the registry drops a "_")
 }
 
@@ -114,6 +120,13 @@ def _function(name, default, tensors, function):
             if not symbolic_helper._is_none(constants[1]):
                 raise SymbolicValueError("torch.cumprod with a dtype cannot be trained in ONNX Runtime: cast the "
                                          "input instead", inputs[0])
+        elif name in ("nansum", "nanmean"):  # (dim=None, keepdim=False, *, dtype=None)
+            if not symbolic_helper._is_none(constants[2]):
+                raise SymbolicValueError(f"torch.{name} with a dtype cannot be trained in ONNX Runtime: cast the "
+                                         "input instead", inputs[0])
+            dims = None if symbolic_helper._is_none(constants[0]) else \
+                symbolic_helper._maybe_get_const(constants[0], "is")
+            params["args"] = [dims or None, bool(symbolic_helper._get_const(constants[1], "b", "keepdim"))]
         elif name == "multinomial":  # (num_samples, replacement, *, generator): int64 indices
             if not symbolic_helper._is_none(constants[2]):
                 raise SymbolicValueError("torch.multinomial with a generator cannot be traced: draw from the "
@@ -128,6 +141,8 @@ def _function(name, default, tensors, function):
             return _values_and_indices(g, inputs[0], rank, params)
         if name == "median":  # of all the values: a 0-d value only
             rank = 0
+        elif name in ("nansum", "nanmean") and rank is not None and not params["args"][1]:  # dims reduced away
+            rank = 0 if params["args"][0] is None else rank - len(params["args"][0])
         output = _torch_node(g, FUNCTION, inputs, rank=rank, **params)
         if "output_type" in params and rank is not None:
             output.setType(inputs[0].type().with_dtype(torch.int64).with_sizes([None] * rank))
@@ -135,14 +150,14 @@ def _function(name, default, tensors, function):
     return symbolic
 
 
-_WITH_INDICES = frozenset({"cummax", "cummin", "median", "kthvalue"})
+_WITH_INDICES = frozenset({"cummax", "cummin", "median", "kthvalue", "mode"})
 
 
 def _values_and_indices(g, x, rank, params):
     """A torch node with two outputs, (values, int64 indices), as torch's cummax or median(dim)
     return; the gradient flows through the values."""
     values, indices = _torch_node(g, FUNCTION, [x], rank=None, outputs=2, **params)
-    if params["function"] in ("median", "kthvalue") and rank is not None and not params["args"][-1]:
+    if params["function"] in ("median", "kthvalue", "mode") and rank is not None and not params["args"][-1]:
         rank -= 1  # the dim is reduced away (keepdim False)
     if rank is not None:
         values.setType(x.type().with_sizes([None] * rank))

@@ -174,4 +174,59 @@ def prepare_for_gradient(model, trainable):
     inference_batch_norm_as_primitives(model)
     decompose_instance_normalization(model)
     expand_broadcast_inputs(model, trainable)
+    builder_fixes_after_optimization(model)
     return aliases
+
+
+def builder_fixes_after_optimization(model):
+    """The fixes of an optimized forward (in place), right before the gradient builder: ONNX
+    Runtime's optimizer makes the patterns they fix (it merges equal nodes, fuses a ReduceSum of
+    squares and a Sqrt into a ReduceL2) and undoes Identity nodes. Also run on the exported
+    forward: ORTModule's builder optimizes inside."""
+    concat_inputs_read_once(model)
+    l2_norms_keeping_dims(model)
+
+
+def l2_norms_keeping_dims(model):
+    """ReduceL2 with keepdims=0 as ReduceL2 keeping its dims and a Squeeze of them (in place): ONNX
+    Runtime's gradient of the former builds an invalid graph (torch.linalg.vector_norm(x),
+    torch.linalg.matrix_norm, sqrt((x * x).sum(dims)) failed to build or to load)."""
+    nodes = []
+    for node in model.graph.node:
+        attributes = node_attributes(node)
+        if node.op_type != "ReduceL2" or node.domain not in ("", "ai.onnx") or attributes.get("keepdims", 1) \
+                or len(node.input) > 1:  # opset 18's axes input: not exported at our opsets
+            nodes.append(node)
+            continue
+        kept = f"{node.output[0]}__kept_dims"
+        squeeze_inputs = [kept]
+        if "axes" in attributes:
+            nodes.append(int64_constant(f"{kept}_axes", list(attributes["axes"])))
+            squeeze_inputs.append(f"{kept}_axes")
+        node.attribute.remove(next(a for a in node.attribute if a.name == "keepdims"))
+        node.attribute.append(onnx.helper.make_attribute("keepdims", 1))
+        squeezed = node.output[0]
+        node.output[0] = kept
+        nodes += [node, onnx.helper.make_node("Squeeze", squeeze_inputs, [squeezed], name=f"{kept}_squeeze")]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
+def concat_inputs_read_once(model):
+    """Each further read of a tensor by a Concat (another Concat, or the same one again) goes through
+    an Identity of its own (in place). ORT's Concat gradient names a gradient `<input>_grad` for every
+    input, needed or not, so a tensor that needs none (a data input, torch.ones_like's
+    ConstantOfShape, as in torch.cdist) read twice got that name defined twice and the builder
+    failed."""
+    seen, nodes = set(), []
+    for node in model.graph.node:
+        if node.op_type in ("Concat", "ConcatTraining"):  # the optimizer's training form
+            for k, name in enumerate(node.input):
+                if name in seen:
+                    copy = f"{name}__concat_read_{len(nodes)}"
+                    nodes.append(onnx.helper.make_node("Identity", [name], [copy], name=copy))
+                    node.input[k] = copy
+                seen.add(name)
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)

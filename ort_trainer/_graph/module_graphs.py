@@ -93,11 +93,21 @@ def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trai
         builder.initialize(exported.SerializeToString(), config)
         builder.build(transformers)
     except RuntimeError as error:
+        duplicate = _DUPLICATE_GRADIENT.search(str(error))
+        if duplicate is not None:
+            raise NotImplementedError(
+                f"ONNX Runtime's gradient builder defined the gradient of {duplicate.group(1)!r} twice: a tensor that "
+                "needs no gradient is concatenated (torch.cat) twice, which its optimizer made of equal values (as in "
+                "torch.cdist). ORTTrainer builds such graphs; with ORTModule concatenate it once, or let this call "
+                "run in PyTorch (the default fallback policy)") from error
         missing = missing_gradient(str(error), exported, trainable, outputs)
         if missing is None:
             raise
         raise missing from error
     return builder
+
+
+_DUPLICATE_GRADIENT = re.compile(r"Duplicate definition of name \((.+?)_grad\)")
 
 
 def describe_outputs(model_proto, names, dtypes, shapes):

@@ -19,7 +19,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import computed_from, inferred_tensors, node_attributes, onnx_opset, torch_node, torch_node_params
+from .._onnx import inferred_tensors, node_attributes, onnx_opset, torch_node, torch_node_params
 
 EINSUM = TORCH_OP_PREFIX + "einsum"
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
@@ -71,28 +71,29 @@ def _adaptive_avg_pool_shape(shapes, params):
     return list(shapes[0][:len(shapes[0]) - len(size)]) + list(size)
 
 
+# Functions whose last two args are (dims: an int, a list or None for all, keepdim); with no args
+# they reduce every dim.
+_REDUCING = frozenset({"median", "kthvalue", "mode", "prod", "nansum", "nanmean", "linalg.vector_norm"})
+
+
 def _function_shape(shapes, params):
-    """Elementwise (the inputs broadcast) or cumulative: the broadcast shape; a determinant drops
-    the last two dims; pixel_shuffle moves channels into the spatial dims; prod reduces one."""
+    """Elementwise (the inputs broadcast) or cumulative: the broadcast shape; a reduction drops or
+    keeps (as 1) its dims; a determinant drops the last two dims; pixel_shuffle moves channels into
+    the spatial dims."""
     rank = max(len(shape) for shape in shapes)
     padded = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]
     broadcast = [max(dims) if 1 in dims else dims[0] for dims in zip(*padded)]
-    if params["function"] == "median" and not params["args"]:  # of all the values
-        return []
-    if params["function"] in ("median", "kthvalue"):  # (..., dim, keepdim): one dim reduced
-        dim, keepdim = params["args"][-2:]
-        dim %= len(broadcast)
-        return broadcast[:dim] + ([1] if keepdim else []) + broadcast[dim + 1:]
-    if params["function"] == "multinomial":  # [..., classes] -> [..., num_samples]
-        return broadcast[:-1] + [params["args"][0]]
-    if params["function"] == "prod":  # one axis, keepdim
-        axis, keepdim = params["args"]
-        axis %= len(broadcast)
-        return broadcast[:axis] + ([1] if keepdim else []) + broadcast[axis + 1:]
-    if params["function"] == "pixel_shuffle":  # [..., C r^2, H, W] -> [..., C, H r, W r]
-        r = params["args"][0]
+    function, args = params["function"], params["args"]
+    if function in _REDUCING:
+        dims, keepdim = args[-2:] if args else (None, False)
+        reduced = set(range(rank)) if dims is None else {d % rank for d in ([dims] if isinstance(dims, int) else dims)}
+        return [1 if k in reduced else size for k, size in enumerate(broadcast) if keepdim or k not in reduced]
+    if function == "multinomial":  # [..., classes] -> [..., num_samples]
+        return broadcast[:-1] + [args[0]]
+    if function == "pixel_shuffle":  # [..., C r^2, H, W] -> [..., C, H r, W r]
+        r = args[0]
         return broadcast[:-3] + [broadcast[-3] // (r * r), broadcast[-2] * r, broadcast[-1] * r]
-    return broadcast[:-2] if params["function"] == "linalg.det" else broadcast
+    return broadcast[:-2] if function == "linalg.det" else broadcast
 
 
 #: forward operator -> output shape(input shapes, params)
@@ -147,8 +148,9 @@ _TORCH_FUNCTIONS = {"Atan": "atan", "Asin": "asin", "Acos": "acos", "Tan": "tan"
                     "Sign": "sign", "Round": "round", "Det": "linalg.det"}
 
 
-def _as_torch_function(node, opset):
-    """(torch function, constant args) of an ONNX node torch can run with its own gradient, or None."""
+def _as_torch_function(node, opset, reached):
+    """(torch function, constant args) of an ONNX node torch can run with its own gradient, or None
+    (`reached`: the tensors computed from the trainable inputs)."""
     attributes = node_attributes(node)
     if node.op_type in _TORCH_FUNCTIONS:
         return _TORCH_FUNCTIONS[node.op_type], []
@@ -156,8 +158,16 @@ def _as_torch_function(node, opset):
         return "pixel_shuffle", [attributes["blocksize"]]
     if node.op_type == "Mod" and attributes.get("fmod", 0) == 1:
         return "fmod", []
-    if node.op_type == "ReduceProd" and opset < 18 and len(attributes.get("axes", [])) == 1:
-        return "prod", [attributes["axes"][0], bool(attributes.get("keepdims", 1))]
+    if node.op_type == "Pow" and node.input[1] in reached:  # ORT's gradient ignores the exponent's
+        return "pow", []
+    if node.op_type in ("ReduceProd", "ReduceL1") and opset < 18:  # ORT has no gradient for them
+        axes, keepdim = attributes.get("axes"), bool(attributes.get("keepdims", 1))
+        if node.op_type == "ReduceL1":
+            return "linalg.vector_norm", [1, None if axes is None else list(axes), keepdim]
+        if axes is None and not keepdim:  # torch.prod(x)
+            return "prod", []
+        if axes is not None and len(axes) == 1:
+            return "prod", [axes[0], keepdim]
     return None
 
 
@@ -188,28 +198,70 @@ def gradients_through_torch(model, trainable):
     """Rewrites (in place) each op on the way from the `trainable` inputs that ONNX Runtime cannot
     differentiate, and torch can, as a torch node (FUNCTION: the torch function and its autograd
     gradient): einsum, atan, asin, acos, tan, floor, ceil, sign, round, det, pixel_shuffle
-    (DepthToSpace in CRD order), fmod, a one-axis prod. Decided on the graph, where the trace's
-    requires_grad flags are not reliable (False after convolutions); the eval graph keeps the ONNX ops."""
-    reached, opset = computed_from(model, trainable), onnx_opset(model)
+    (DepthToSpace in CRD order), fmod, a pow whose exponent needs a gradient, prod over one axis or
+    all, an L1 norm. Exported torch nodes get the inputs that need gradients first. Decided on the
+    graph, where the trace's requires_grad flags are not reliable (False after convolutions); the
+    eval graph keeps the ONNX ops."""
+    reached, opset = needing_gradient(model, trainable), onnx_opset(model)
     nodes, rewritten = [], False
     for node in model.graph.node:
-        torch_function = None
-        if node.domain in ("", "ai.onnx") and reached.intersection(node.input):
-            if node.op_type == "Einsum":
-                nodes.append(_einsum_node(node, reached))
-                rewritten = True
-                continue
-            torch_function = _as_torch_function(node, opset)
-        if torch_function is None:
-            nodes.append(node)
-            continue
-        function, args = torch_function
-        nodes.append(torch_node(FUNCTION, [name for name in node.input if name], list(node.output)[:1],
-                                name=node.name, params={"function": function, "args": args, "kwargs": {}}))
-        rewritten = True
+        replacement = None
+        if reached.intersection(node.input) and node.domain in ("", "ai.onnx"):
+            replacement = (_einsum_node(node, reached) if node.op_type == "Einsum"
+                           else _function_node(node, _as_torch_function(node, opset, reached), reached))
+        elif reached.intersection(node.input) and node.domain == DOMAIN:
+            replacement = _reordered_function(node, reached)
+        nodes.append(node if replacement is None else replacement)
+        rewritten = rewritten or replacement is not None
     if rewritten:
         replace_nodes(model, nodes)
         declare_torch_node_outputs(model)
+
+
+# Ops whose outputs carry no gradient to their inputs (shapes, comparisons, indices, random draws).
+_NO_GRADIENT_OPS = frozenset({"Shape", "Size", "ConstantOfShape", "EyeLike", "RandomNormalLike", "RandomUniformLike",
+                              "Bernoulli", "Multinomial", "ArgMax", "ArgMin", "NonZero", "Equal", "Less", "Greater",
+                              "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf"})
+
+
+def needing_gradient(model, trainable):
+    """The tensors of `model` the gradient builder differentiates: computed from the `trainable`
+    inputs through ops that pass gradients (not through a shape, a comparison or a detach)."""
+    reached = set(trainable)
+    for node in model.graph.node:  # topologically sorted
+        if (reached.intersection(node.input) and node.op_type not in _NO_GRADIENT_OPS
+                and not (node.domain == DOMAIN and node_attributes(node)["operator"].decode() == DETACH)):
+            reached.update(node.output)
+    return reached
+
+
+def reached_first(inputs, reached):
+    """(`inputs` with those in `reached` first, stably; `operands`: the index in `inputs` of each
+    one listed). The gradient builder fails on a torch node whose input 0 needs no gradient while
+    another does; the implementation puts them back in order (`params['operands']`)."""
+    order = sorted(range(len(inputs)), key=lambda k: inputs[k] not in reached)
+    return [inputs[k] for k in order], order
+
+
+def _function_node(node, torch_function, reached):
+    """The FUNCTION torch node of `node` (its first output), or None without a torch function."""
+    if torch_function is None:
+        return None
+    function, args = torch_function
+    inputs, operands = reached_first([name for name in node.input if name], reached)
+    return torch_node(FUNCTION, inputs, list(node.output)[:1], name=node.name,
+                      params={"function": function, "args": args, "kwargs": {}, "operands": operands})
+
+
+def _reordered_function(node, reached):
+    """An exported FUNCTION torch node with its inputs reordered by `reached_first`, or None where
+    its input 0 needs a gradient already (or it is another torch node)."""
+    attributes = node_attributes(node)
+    if attributes["operator"].decode() != FUNCTION or not node.input or node.input[0] in reached:
+        return None
+    params = json.loads(attributes["overload_name"].decode())
+    inputs, operands = reached_first(list(node.input), reached)
+    return torch_node(FUNCTION, inputs, list(node.output), name=node.name, params={**params, "operands": operands})
 
 
 def replace_nodes(model, nodes):

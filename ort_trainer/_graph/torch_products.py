@@ -8,15 +8,15 @@ with the same fp32 inputs and output: it casts its inputs to bf16, computes in b
 result in fp32, so everything after it computes in fp32 as with the other mixed-precision graphs.
 Its gradient nodes (one per input) compute in bf16 from the bf16 output gradient and return fp32:
 the gradients torch's autograd of the same casts gives. The operands are listed with one that
-needs a gradient first (the gradient builder fails on a torch node whose input 0 needs none while
-another does); `operands` maps them back. Products torch cannot state the same way (ONNX's
+needs a gradient first (`reached_first`). Products torch cannot state the same way (ONNX's
 auto_pad or asymmetric pads, an explicit ConvTranspose output_shape, FusedMatMul's batch
 transposes) are left to the caller's rounding emulation.
 """
 import onnx
 
-from .._onnx import computed_from, inferred_tensors, node_attributes, torch_node
-from .torch_nodes import PRODUCT, register_torch_node_gradients, replace_nodes, set_value_info
+from .._onnx import inferred_tensors, node_attributes, torch_node
+from .torch_nodes import (PRODUCT, needing_gradient, reached_first, register_torch_node_gradients, replace_nodes,
+                          set_value_info)
 
 
 def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
@@ -24,7 +24,7 @@ def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
     and that `product_params` can state, as a bf16 torch node (its output keeps its name, type and
     inferred shape), and registers the nodes' gradients. `differentiable`: the inputs gradients
     flow from (the operand order depends on them). Returns the names of the rewritten outputs."""
-    reached, tensors = computed_from(model, differentiable), inferred_tensors(model)
+    reached, tensors = needing_gradient(model, differentiable), inferred_tensors(model)
     transposes = {node.output[0]: node for node in model.graph.node if _swaps_last_two_dims(node)}
     readers = {}
     for node in model.graph.node:
@@ -49,10 +49,8 @@ def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
             inputs.append(bias_add.input[1] if bias_add.input[0] == output else bias_add.input[0])
             output = bias_add.output[0]
             folded_adds.add(output)
-        present = [k for k, name in enumerate(inputs) if name]
-        order = sorted(present, key=lambda k: inputs[k] not in reached)  # stable
-        nodes.append(torch_node(PRODUCT, [inputs[k] for k in order], [output], name=node.name,
-                                params={**params, "operands": [present.index(k) for k in order]}))
+        listed, operands = reached_first([name for name in inputs if name], reached)
+        nodes.append(torch_node(PRODUCT, listed, [output], name=node.name, params={**params, "operands": operands}))
         outputs.append(output)
     if not outputs:
         return outputs

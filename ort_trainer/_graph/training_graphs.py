@@ -9,7 +9,8 @@ from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_m
 from .._onnx import quiet_session_options
 from .autocast import lower_precision
 from .cpu_kernels import kernel_substitutions
-from .fixes import disable_training_mode, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
+from .fixes import (builder_fixes_after_optimization, disable_training_mode, padding_rows_without_gradient,
+                    prepare_for_gradient, weights_as_inputs)
 from .missing_gradient import missing_gradient
 from .torch_nodes import declare_torch_node_outputs
 
@@ -50,11 +51,11 @@ def _gradient_graph(model, trainable, loss_name, options, *, recompute=None, low
 
     Raises MissingGradientError when an op on the way lacks a gradient, chained to ORT's error.
     """
-    optimized = get_optimized_model(model.SerializeToString(), set(trainable), options)
+    forward = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(trainable), options))
     if lower is not None:
-        forward = onnx.load_from_string(optimized)
         lower(forward)
-        optimized = forward.SerializeToString()
+    builder_fixes_after_optimization(forward)
+    optimized = forward.SerializeToString()
     if recompute is not None:
         optimized, plan = recompute.add_nodes(optimized)
     try:

@@ -26,7 +26,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM,
                                   EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD)
-from .torch_products import convolution_args, product, product_gradient
+from .torch_products import convolution_args, in_operand_order, product, product_gradient
 
 
 class TorchOpError(RuntimeError):
@@ -95,7 +95,8 @@ _ADAPTIVE_AVG_POOLS = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.
 def _function(inputs, params):
     """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det)."""
     function = functools.reduce(getattr, params["function"].split("."), torch)
-    result = function(*inputs, *params["args"], **params["kwargs"])  # output_type: informs the graph only
+    # params' output_type informs the graph only
+    result = function(*in_operand_order(inputs, params), *params["args"], **params["kwargs"])
     return list(result) if isinstance(result, tuple) else [result]  # (values, indices) as torch returns them
 
 
@@ -104,6 +105,8 @@ def _input_gradient(forward):
     then the forward's inputs), by torch's autograd of the forward at these inputs."""
     def gradient(inputs, params):
         grad, operands, k = inputs[0], list(inputs[1:]), params["input"]
+        if not operands[k].is_floating_point():  # an integer input (ldexp's exponent): no gradient flows on
+            return [torch.zeros_like(operands[k])]
         operands[k] = operands[k].detach().requires_grad_(True)
         with torch.enable_grad():
             output = forward(operands, params)[0]  # the values of (values, indices)

@@ -11,8 +11,11 @@ import torch
 _BF16 = torch.bfloat16
 
 
-def _operands(inputs, params):
-    """The product's operands in the ONNX node's order (the torch node lists them reordered)."""
+def in_operand_order(inputs, params):
+    """The inputs of a torch node in its op's order: a node may list them reordered
+    (`params['operands']`: the op's index of each input listed; `_graph.torch_nodes.reached_first`)."""
+    if "operands" not in params:
+        return list(inputs)
     ordered = [None] * len(inputs)
     for position, operand in enumerate(params["operands"]):
         ordered[operand] = inputs[position]
@@ -33,7 +36,7 @@ def convolution_args(weight, params):
 
 def product(inputs, params):
     """The forward: the operands cast to bf16, the product in bf16, its result in fp32."""
-    operands = [tensor.to(_BF16) for tensor in _operands(inputs, params)]
+    operands = [tensor.to(_BF16) for tensor in in_operand_order(inputs, params)]
     kind = params["kind"]
     if kind == "convolution":
         bias = operands[2] if len(operands) > 2 else None
@@ -54,7 +57,7 @@ def product(inputs, params):
 def product_gradient(inputs, params):
     """The gradient of operand `params['input']` (the torch node's input order) from the output's
     gradient (inputs[0]) and the forward's inputs, in fp32: what torch's autograd of `product` gives."""
-    grad, operands = inputs[0], _operands(inputs[1:], params)
+    grad, operands = inputs[0], in_operand_order(inputs[1:], params)
     operand = params["operands"][params["input"]]
     if params["kind"] == "convolution":
         return [_convolution_gradient(grad.to(_BF16), operands, operand, params).float()]
