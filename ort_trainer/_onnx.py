@@ -83,6 +83,14 @@ def inferred_tensors(model):
     return tensors
 
 
+def constant_values(model):
+    """{name: NumPy array} of the model's initializers and Constant nodes' outputs."""
+    values = {tensor.name: onnx.numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+    values.update({node.output[0]: onnx.numpy_helper.to_array(node.attribute[0].t) for node in model.graph.node
+                   if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"})
+    return values
+
+
 def computed_from(model, sources):
     """Names of the tensors computed (transitively) from `sources`, those included."""
     reached = set(sources)

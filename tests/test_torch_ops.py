@@ -356,6 +356,12 @@ class Function(nn.Module):
         + torch.fmin(h, h * 0.5) * torch.fmax(h, -h) + torch.logaddexp2(h, h * h) + torch.ldexp(h, torch.tensor(2)),
         "nansum nanmean": lambda h: h * torch.nansum(h) + h * torch.nanmean(h, 1, keepdim=True),
         "renorm threshold": lambda h: torch.renorm(h, 2, 0, 1.0) + F.threshold(h, 0.1, 2.0),
+        # ORT's Pad gradient is for constant padding only
+        "reflect padding": lambda h: F.pad(h.unsqueeze(1), (2, 1), mode="reflect")[:, 0, 1:5] * h,
+        "replicate padding 2d": lambda h: F.pad(h.reshape(-1, 1, 2, 2), (1, 0, 0, 1), mode="replicate").reshape(
+            h.shape[0], -1)[:, 2:6] * h,
+        "channel_shuffle": lambda h: torch.channel_shuffle(h.reshape(-1, 4, 1), 2).reshape(-1, 4) * h,
+        "rms_norm": lambda h: F.rms_norm(h, (4,), torch.linspace(0.5, 1.5, 4)) + F.rms_norm(h * h, (4,), eps=0.1),
     }
 
     def __init__(self, name):
@@ -412,7 +418,7 @@ def test_ortrainer_trains_in_step_with_torch(case):
                                   "function pow base and exponent", "function pow of a constant",
                                   "function prod of all", "function l2 norm of all",
                                   "function xlogy of a detached value", "function mode", "function exp2 sinc erfc",
-                                  "function nansum nanmean"])
+                                  "function nansum nanmean", "function reflect padding"])
 def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
     make, shape = CASES[case]

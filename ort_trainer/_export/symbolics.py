@@ -26,6 +26,7 @@ def register_symbolics():
     torch.onnx.register_custom_op_symbolic("aten::embedding", _embedding, 9)
     torch.onnx.register_custom_op_symbolic("aten::cross_entropy_loss", _cross_entropy, 12)
     torch.onnx.register_custom_op_symbolic("aten::movedim", _movedim, 9)
+    torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm, 9)
     for name, symbolic, opset in _ACTIVATIONS:
         torch.onnx.register_custom_op_symbolic(f"aten::{name}", symbolic, opset)
     register_torch_node_symbolics()
@@ -148,6 +149,21 @@ def _movedim(g, data, source, destination):
     if perm == list(range(rank)):
         return data
     return g.op("Transpose", data, perm_i=perm)
+
+
+def _rms_norm(g, x, normalized_shape, weight, eps):
+    """F.rms_norm (nn.RMSNorm), which the exporter lacks: x / sqrt(mean(x^2 over the normalized
+    dims) + eps) * weight; eps None is x's dtype's machine epsilon, as torch's."""
+    dims = len(symbolic_helper._get_const(normalized_shape, "is", "normalized_shape"))
+    if symbolic_helper._is_none(eps):
+        dtype = x.type().dtype() if isinstance(x.type(), torch._C.TensorType) and x.type().dtype() else torch.float32
+        eps = torch.finfo(dtype).eps
+    else:
+        eps = symbolic_helper._get_const(eps, "f", "eps")
+    mean_square = g.op("ReduceMean", g.op("Mul", x, x), axes_i=list(range(-dims, 0)), keepdims_i=1)
+    scale = g.op("Sqrt", g.op("Add", mean_square, g.op("Constant", value_t=torch.tensor(eps, dtype=torch.float32))))
+    normalized = g.op("Div", x, scale)
+    return normalized if symbolic_helper._is_none(weight) else g.op("Mul", normalized, weight)
 
 
 def _cross_entropy(g, logits, target, weight, reduction, ignore_index, label_smoothing):

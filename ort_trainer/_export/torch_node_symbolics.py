@@ -34,7 +34,7 @@ FUNCTIONS = {
     **{name: (None, 9, 1, name) for name in ("sinh", "cosh", "asinh", "acosh", "atanh", "erfinv", "trunc", "frac",
                                              "expm1", "cumprod", "logcumsumexp", "exp2", "sinc", "lgamma", "digamma",
                                              "erfc", "i0", "rad2deg", "deg2rad", "mvlgamma", "renorm", "nansum",
-                                             "nanmean")},
+                                             "nanmean", "channel_shuffle")},
     **{f"special_{name}": (None, 9, 1, f"special.{name}") for name in ("ndtr", "ndtri", "log_ndtr", "entr")},
     **{name: (None, 9, 2, name) for name in ("xlogy", "hypot", "logaddexp", "logaddexp2", "copysign", "fmin", "fmax",
                                              "ldexp")},
@@ -53,6 +53,7 @@ def register_torch_node_symbolics():
     for dims in (1, 2, 3):
         torch.onnx.register_custom_op_symbolic(f"aten::adaptive_avg_pool{dims}d", _adaptive_avg_pool(dims), 9)
     torch.onnx.register_custom_op_symbolic("aten::detach", _detach, 9)
+    torch.onnx.register_custom_op_symbolic("aten::pad", _pad, 11)
     for name, (default, opset, tensors, function) in FUNCTIONS.items():
         torch.onnx.register_custom_op_symbolic(f"aten::{name}", _function(name, default, tensors, function), opset)
 
@@ -84,6 +85,19 @@ def _adaptive_avg_pool(dims):
             raise SymbolicValueError(f"adaptive_avg_pool{dims}d: the output size must be a constant", x)
         return _torch_node(g, ADAPTIVE_AVG_POOL, [x], rank=symbolic_helper._get_tensor_rank(x), output_size=sizes)
     return symbolic
+
+
+def _pad(g, x, pad, mode, value):
+    """F.pad: reflect and replicate padding, in a training export, as a torch node (ONNX Runtime's
+    Pad gradient is for constant padding only); the other modes, and inference exports, torch's."""
+    torch_mode = symbolic_helper._parse_arg(mode, "s")
+    if not GLOBALS.export_training or torch_mode not in ("reflect", "replicate"):
+        return symbolic_opset11.pad(g, x, pad, mode, value)
+    pads = symbolic_helper._maybe_get_const(pad, "is")
+    if not isinstance(pads, list):
+        raise SymbolicValueError(f"F.pad(mode={torch_mode!r}): the pads must be constants", x)
+    return _torch_node(g, FUNCTION, [x], rank=symbolic_helper._get_tensor_rank(x), function="nn.functional.pad",
+                       args=[pads, torch_mode], kwargs={})
 
 
 _FLOATS = frozenset({"Float", "Double", "Half", "BFloat16", None})  # None: not known, treated as floating

@@ -7,6 +7,7 @@ import onnx
 from .._export.symbolics import MARKER_DOMAIN
 from .._onnx import computed_from, inferred_tensors, int64_constant, node_attributes, parameters_as_inputs
 from .gradients import cumsum_as_inclusive, extrema_differentiable, flips_as_gathers, register_gradients
+from .missing_gradient import MissingGradientError
 from .normalization import decompose_instance_normalization, inference_batch_norm_as_primitives
 from .torch_nodes import gradients_through_torch, register_torch_node_gradients
 
@@ -162,9 +163,11 @@ def prepare_for_gradient(model, trainable):
     Where/Pow inputs as ops whose ORT gradients exist and are right; CumSum in the form whose
     gradient `_graph.gradients` registers; ops ORT cannot differentiate as torch nodes, and the
     torch nodes' gradients; ReduceMax/ReduceMin and
-    reversing Slices (torch.flip) as ops with gradients. Returns the padding-row aliases added
+    reversing Slices (torch.flip) as ops with gradients; 'same' padding as explicit pads. Returns the
+    padding-row aliases added
     (graph inputs to bind to their weights' memory)."""
     register_gradients()
+    refuse_reversed_recurrences(model, trainable)
     gradients_through_torch(model, trainable)
     register_torch_node_gradients(model)
     cumsum_as_inclusive(model)
@@ -174,8 +177,43 @@ def prepare_for_gradient(model, trainable):
     inference_batch_norm_as_primitives(model)
     decompose_instance_normalization(model)
     expand_broadcast_inputs(model, trainable)
+    same_padding_explicit(model)
     builder_fixes_after_optimization(model)
     return aliases
+
+
+def refuse_reversed_recurrences(model, trainable):
+    """Raises MissingGradientError for an LSTM, GRU or RNN that runs backwards (a bidirectional torch
+    layer) between the `trainable` parameters and the loss: ONNX Runtime's training kernels run the
+    forward direction only (its session failed to load, with an internal error)."""
+    reached = computed_from(model, trainable)
+    for node in model.graph.node:
+        direction = node_attributes(node).get("direction", b"forward").decode()
+        if node.op_type in ("LSTM", "GRU", "RNN") and direction != "forward" and reached.intersection(node.input):
+            raise MissingGradientError(node.op_type, [node.name], f"direction {direction!r}: its training kernels "
+                                       "run the forward direction only")
+
+
+def same_padding_explicit(model):
+    """Conv and ConvTranspose with auto_pad SAME_UPPER/SAME_LOWER and stride 1 (torch's
+    padding='same') get the explicit pads they stand for (in place): ONNX Runtime's ConvGrad
+    computed wrong gradients from auto_pad (silently: losses 8e-2 off torch's after 3 steps of
+    Conv1d(8, 8, 4, padding='same'))."""
+    for node in model.graph.node:
+        attributes = node_attributes(node)
+        mode = attributes.get("auto_pad", b"NOTSET")
+        if node.op_type not in ("Conv", "ConvTranspose") or mode not in (b"SAME_UPPER", b"SAME_LOWER") \
+                or any(stride != 1 for stride in attributes.get("strides", [])) or "kernel_shape" not in attributes:
+            continue
+        kernel = list(attributes["kernel_shape"])
+        dilations = list(attributes.get("dilations", [1] * len(kernel)))
+        totals = [d * (k - 1) for k, d in zip(kernel, dilations)]
+        small = [total // 2 for total in totals]
+        begins = small if mode == b"SAME_UPPER" else [t - b for t, b in zip(totals, small)]
+        ends = [t - b for t, b in zip(totals, begins)]
+        for attribute in [a for a in node.attribute if a.name in ("auto_pad", "pads")]:
+            node.attribute.remove(attribute)
+        node.attribute.append(onnx.helper.make_attribute("pads", begins + ends))
 
 
 def builder_fixes_after_optimization(model):

@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper
 from onnxruntime.capi import _pybind_state as C
 
-from .._onnx import int64_constant
+from .._onnx import constant_values, int64_constant
 from .autocast import element_types
 
 
@@ -52,7 +52,7 @@ def cumsum_as_inclusive(model):
     Raises:
         NotImplementedError: such a CumSum's axis is computed in the graph (a constant is needed).
     """
-    constants = _constants(model)
+    constants = constant_values(model)
     nodes = []
     for node in model.graph.node:
         flags = {attribute.name: attribute.i for attribute in node.attribute}
@@ -123,7 +123,7 @@ def flips_as_gathers(model):
     """Rewrites each reversing Slice (in place; torch.flip exports Slice(starts -1, ends -inf, steps
     -1), whose gradient ONNX Runtime 1.19 fails to run) as Gathers of the reversed indices, one per
     axis, whose gradient it has."""
-    constants = _constants(model)
+    constants = constant_values(model)
     nodes = []
     for node in model.graph.node:
         arguments = [constants.get(name) for name in node.input[1:5]] if node.op_type == "Slice" else []
@@ -154,11 +154,3 @@ def _reverses(starts, ends, axes, steps):
     """Whether Slice arguments reverse whole axes: starts -1, ends before the first element, steps -1."""
     starts, ends, steps = (np.asarray(value).reshape(-1) for value in (starts, ends, steps))
     return bool(len(steps) and (steps == -1).all() and (starts == -1).all() and (ends <= -(2 ** 31)).all())
-
-
-def _constants(model):
-    """{name: array} of the initializers and Constant nodes' outputs."""
-    constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
-    constants.update({node.output[0]: numpy_helper.to_array(node.attribute[0].t) for node in model.graph.node
-                      if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"})
-    return constants

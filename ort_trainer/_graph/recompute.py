@@ -27,6 +27,7 @@ import onnx
 import torch
 
 from .._configuration.options import recomputes
+from .._onnx import constant_values
 from .missing_gradient import torch_module
 
 _SUFFIX = "_recompute"
@@ -100,7 +101,7 @@ class Recompute:
         for node in nodes:
             for name in node.input:
                 readers.setdefault(name, []).append(node)
-        constants = _constants(model)
+        constants = constant_values(model)
         modes = {id(node): _dropout_mode(node, constants) for node in nodes
                  if node.op_type == "Dropout" and _is_onnx(node)}
         groups = (self._layer_groups(nodes, producers, modes, {o.name for o in model.graph.output})
@@ -216,15 +217,6 @@ def _scope_layer(module, stack):
 
 def _recomputed(name):
     return name + _SUFFIX if name else name
-
-
-def _constants(model):
-    """{name: NumPy value} of the model's initializers and Constant nodes."""
-    values = {initializer.name: onnx.numpy_helper.to_array(initializer) for initializer in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            values[node.output[0]] = onnx.numpy_helper.to_array(node.attribute[0].t)
-    return values
 
 
 def _dropout_mode(node, constants):

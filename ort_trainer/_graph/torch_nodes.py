@@ -90,6 +90,10 @@ def _function_shape(shapes, params):
         return [1 if k in reduced else size for k, size in enumerate(broadcast) if keepdim or k not in reduced]
     if function == "multinomial":  # [..., classes] -> [..., num_samples]
         return broadcast[:-1] + [args[0]]
+    if function == "nn.functional.pad":  # (pads of the last dim first, mode)
+        pads = args[0]
+        return [size + sum(pads[2 * k:2 * k + 2]) if 2 * k < len(pads) else size
+                for k, size in ((rank - 1 - axis, size) for axis, size in enumerate(broadcast))]
     if function == "pixel_shuffle":  # [..., C r^2, H, W] -> [..., C, H r, W r]
         r = args[0]
         return broadcast[:-3] + [broadcast[-3] // (r * r), broadcast[-2] * r, broadcast[-1] * r]
@@ -150,7 +154,7 @@ _TORCH_FUNCTIONS = {"Atan": "atan", "Asin": "asin", "Acos": "acos", "Tan": "tan"
 
 def _as_torch_function(node, opset, reached):
     """(torch function, constant args) of an ONNX node torch can run with its own gradient, or None
-    (`reached`: the tensors computed from the trainable inputs)."""
+    (`reached`: the tensors that need gradients)."""
     attributes = node_attributes(node)
     if node.op_type in _TORCH_FUNCTIONS:
         return _TORCH_FUNCTIONS[node.op_type], []
