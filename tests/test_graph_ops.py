@@ -570,18 +570,78 @@ def test_cross_entropy_with_label_smoothing_trains_like_torch(reduction, positio
     (lambda logits, target: nn.functional.cross_entropy(logits, target, weight=torch.ones(5), label_smoothing=0.1),
      "cross_entropy with label_smoothing and class weights cannot be exported; drop one, or smooth the targets "
      "yourself (class probabilities)"),
-    (lambda logits, target: nn.functional.cross_entropy(logits, nn.functional.one_hot(target.clamp(min=0), 5).float(),
-                                                        label_smoothing=0.1),
-     "cross_entropy with label_smoothing and class-probability targets cannot be exported; smooth the "
-     "probabilities yourself and pass label_smoothing=0"),
+    (lambda logits, target: nn.functional.binary_cross_entropy(torch.sigmoid(logits), (logits > 0).float(),
+                                                               weight=torch.ones(5)),
+     "torch's binary_cross_entropy with a weight cannot be trained in ONNX Runtime: multiply its unreduced loss "
+     "(reduction='none') by the weight instead"),
 ])
-def test_cross_entropy_with_label_smoothing_cases_it_cannot_export_are_named(loss_fn, message):
+def test_loss_cases_it_cannot_export_are_named(loss_fn, message):
     desc = {"inputs": [("x", ["batch", 6]), ("target", ["batch"])],
             "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
     trainer = trainer_for(Classes(), desc, loss_fn)
     with pytest.raises(Exception, match=re.escape(message)):
         trainer.train_step(*_label_batches((3, 6), 5)[0])
     assert trainer.train_step_info.step == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing, weighted", [(0.0, False), (0.2, False), (0.2, True)],
+                         ids=["plain", "smoothed", "smoothed+weighted"])
+@pytest.mark.parametrize("positions", [(), (4,)], ids=["2d", "3d"])
+def test_cross_entropy_of_class_probabilities_trains_like_torch(reduction, smoothing, weighted, positions):
+    """Probability targets: torch's symbolic wrote a SoftmaxCrossEntropyLoss with float labels, an
+    invalid graph."""
+    weight = torch.linspace(0.5, 1.5, 5) if weighted else None
+
+    def loss_fn(logits, target):
+        probabilities = nn.functional.softmax(nn.functional.one_hot(target.clamp(min=0), 5).movedim(-1, 1) * 2.0, 1)
+        loss = nn.functional.cross_entropy(logits, probabilities, weight=weight, label_smoothing=smoothing,
+                                           reduction=reduction)
+        return loss if reduction != "none" else loss.sum() / 7
+
+    dims = ["batch", *(f"p{i}" for i in range(len(positions)))]
+    desc = {"inputs": [("x", [dims[0], 6, *dims[1:]]), ("target", dims)],
+            "outputs": [("loss", [], True), ("logits", [dims[0], 5, *dims[1:]])]}
+    assert_trains_like_torch(Classes(), desc, _label_batches((3, 6, *positions), 5), loss_fn=loss_fn)
+
+
+def _signs(target):
+    return (target > 1).float() * 2 - 1
+
+
+# The losses the exporter refuses (torch nodes now): loss(logits [3, 5], class targets [3]).
+LOSSES = {
+    "l1_loss": lambda o, t, r: nn.functional.l1_loss(o, nn.functional.one_hot(t, 5).float(), reduction=r),
+    "smooth_l1_loss": lambda o, t, r: nn.functional.smooth_l1_loss(o, nn.functional.one_hot(t, 5).float(),
+                                                                   reduction=r, beta=0.5),
+    "huber_loss": lambda o, t, r: nn.functional.huber_loss(o, nn.functional.one_hot(t, 5).float(), reduction=r,
+                                                           delta=0.3),
+    "binary_cross_entropy": lambda o, t, r: nn.functional.binary_cross_entropy(
+        torch.sigmoid(o), nn.functional.one_hot(t, 5).float(), reduction=r),
+    "soft_margin_loss": lambda o, t, r: nn.functional.soft_margin_loss(o[:, 0], _signs(t), reduction=r),
+    "hinge_embedding_loss": lambda o, t, r: nn.functional.hinge_embedding_loss(o[:, 0], _signs(t), reduction=r),
+    "margin_ranking_loss": lambda o, t, r: nn.functional.margin_ranking_loss(o[:, 0], o[:, 1], _signs(t), margin=0.1,
+                                                                             reduction=r),
+    "cosine_embedding_loss": lambda o, t, r: nn.functional.cosine_embedding_loss(o, o.flip(0), _signs(t), margin=0.1,
+                                                                                 reduction=r),
+    "triplet_margin_loss": lambda o, t, r: nn.functional.triplet_margin_loss(o, o.flip(0), o.roll(1, 0), reduction=r),
+    "multi_margin_loss": lambda o, t, r: nn.functional.multi_margin_loss(o, t, reduction=r),
+    "multilabel_margin_loss": lambda o, t, r: nn.functional.multilabel_margin_loss(
+        o, torch.stack([t, torch.full_like(t, -1), t, t, t], 1), reduction=r),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_losses_the_exporter_refuses_train_like_torch(name, reduction):
+    def loss_fn(logits, target):
+        loss = LOSSES[name](logits, target, reduction)
+        return loss if reduction != "none" else loss.sum() / 7
+
+    desc = {"inputs": [("x", ["batch", 6]), ("target", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 5])]}
+    batches = [(x, target.clamp(min=0)) for x, target in _label_batches((3, 6), 5)]
+    assert_trains_like_torch(Classes(), desc, batches, loss_fn=loss_fn)
 
 
 @pytest.mark.parametrize("source, destination", [(-1, 1), (1, -1), ((0, -1), (-1, 0)), ((-3, -2), (2, 0)),

@@ -171,20 +171,19 @@ def _cross_entropy(g, logits, target, weight, reduction, ignore_index, label_smo
     targets without class weights: (1 - e) * nll + e * mean over the classes of -log_softmax, both
     0 where the target is ignore_index, reduced as `reduction` (mean: over the counted targets), as
     torch computes it. Built from LogSoftmax, GatherElements and reductions, whose gradients ONNX
-    Runtime has."""
+    Runtime has. Class-probability targets: `_cross_entropy_of_probabilities`."""
     smoothing = symbolic_helper._maybe_get_const(label_smoothing, "f")
+    if not isinstance(smoothing, (float, int)):
+        raise SymbolicValueError("cross_entropy: label_smoothing is computed in the graph; pass a Python float",
+                                 logits)
+    if _scalar_type(target).dtype().is_floating_point:
+        return _cross_entropy_of_probabilities(g, logits, target, weight, reduction, float(smoothing))
     if not smoothing:
         return symbolic_opset12.cross_entropy_loss(g, logits, target, weight, reduction, ignore_index,
                                                    label_smoothing)
-    if not isinstance(smoothing, float):
-        raise SymbolicValueError("cross_entropy: label_smoothing is computed in the graph; pass a Python float",
-                                 logits)
     if not weight.node().mustBeNone():
         raise SymbolicValueError("cross_entropy with label_smoothing and class weights cannot be exported; "
                                  "drop one, or smooth the targets yourself (class probabilities)", logits)
-    if _scalar_type(target).dtype().is_floating_point:
-        raise SymbolicValueError("cross_entropy with label_smoothing and class-probability targets cannot be "
-                                 "exported; smooth the probabilities yourself and pass label_smoothing=0", logits)
     reduction = ("none", "mean", "sum")[_constant_int(reduction, "cross_entropy", "reduction")]
     ignore = _constant_int(ignore_index, "cross_entropy", "ignore_index")
 
@@ -204,6 +203,29 @@ def _cross_entropy(g, logits, target, weight, reduction, ignore_index, label_smo
         return losses
     total = g.op("ReduceSum", losses, keepdims_i=0)
     return total if reduction == "sum" else g.op("Div", total, g.op("ReduceSum", mask, keepdims_i=0))
+
+
+def _cross_entropy_of_probabilities(g, logits, target, weight, reduction, smoothing):
+    """F.cross_entropy with class-probability targets (torch's symbolic writes a
+    SoftmaxCrossEntropyLoss, which takes class indices only): per sample -sum_c w_c t_c log p_c with
+    the targets smoothed, t (1 - e) + e / C, as torch computes it; mean: over the samples."""
+    log_probs = g.op("LogSoftmax", logits, axis_i=1)
+    if not weight.node().mustBeNone():
+        rank = symbolic_helper._get_tensor_rank(logits)
+        if rank is None:
+            raise SymbolicValueError("cross_entropy with class weights: the logits' rank is unknown", logits)
+        axes = g.op("Constant", value_t=torch.tensor([0, *range(2, rank)], dtype=torch.int64))
+        log_probs = g.op("Mul", log_probs, g.op("Unsqueeze", weight, axes))  # [1, C, 1, ...]
+    classes = g.op("Constant", value_t=torch.tensor([1], dtype=torch.int64))
+    losses = g.op("Neg", g.op("ReduceSum", g.op("Mul", target, log_probs), classes, keepdims_i=0))
+    if smoothing:
+        spread = g.op("Neg", g.op("ReduceMean", log_probs, axes_i=[1], keepdims_i=0))
+        losses = g.op("Add", g.op("Mul", losses, _constant(g, 1.0 - smoothing)),
+                      g.op("Mul", spread, _constant(g, smoothing)))
+    reduction = ("none", "mean", "sum")[_constant_int(reduction, "cross_entropy", "reduction")]
+    if reduction == "none":
+        return losses
+    return g.op("ReduceSum" if reduction == "sum" else "ReduceMean", losses, keepdims_i=0)
 
 
 def _diff(g, data, n, dim, prepend, append):

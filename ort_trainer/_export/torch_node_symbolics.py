@@ -1,6 +1,7 @@
 """Training-export symbolics that write torch nodes (`_onnx.torch_node`, run by
 `_runtime.torch_ops`) where the exporter refuses an op: adaptive average pooling to sizes that do
-not divide, elementwise and cumulative functions (`FUNCTIONS`), integer bitwise or. Ops it exports
+not divide, elementwise, cumulative and reducing functions and losses (`FUNCTIONS`), integer bitwise
+or; and reflect/replicate padding, which it exports but ONNX Runtime cannot differentiate. Ops it exports
 that ONNX Runtime cannot differentiate are rewritten on the graph instead, where it is known which
 values need gradients (`_graph.torch_nodes.gradients_through_torch`; the trace's requires_grad
 flags are False after convolutions). An inference export (export_onnx) keeps torch's own symbolic,
@@ -25,6 +26,18 @@ ADAPTIVE_AVG_POOL = TORCH_OP_PREFIX + "adaptive_avg_pool"
 FUNCTION = TORCH_OP_PREFIX + "function"
 DETACH = TORCH_OP_PREFIX + "detach"
 
+# Losses the exporter refuses -> (leading tensors, the index of `reduction` among the constant
+# arguments, the unreduced loss's shape: "elementwise" (the inputs') or "rows" (one per row)).
+# Their weights must be None (`_function`).
+_LOSSES = {
+    **{name: (2, 0, "elementwise") for name in ("l1_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss")},
+    "binary_cross_entropy": (2, 1, "elementwise"), "hinge_embedding_loss": (2, 1, "elementwise"),
+    "margin_ranking_loss": (3, 1, "elementwise"), "cosine_embedding_loss": (3, 1, "rows"),
+    "triplet_margin_loss": (3, 4, "rows"), "multi_margin_loss": (2, 3, "rows"),
+    "multilabel_margin_loss": (2, 0, "rows"),
+}
+_LOSS_WEIGHTS = {"binary_cross_entropy": 0, "multi_margin_loss": 2}  # the index of the weight among the constants
+
 # aten op -> (torch's symbolic or None, the opset to register at: torch's, so that ours wins,
 # the number of leading tensor inputs, the torch function that runs it). Constant arguments after
 # the tensors go to the function as they are (ints, floats); `_function` knows the keyword ones.
@@ -39,6 +52,7 @@ FUNCTIONS = {
     **{name: (None, 9, 2, name) for name in ("xlogy", "hypot", "logaddexp", "logaddexp2", "copysign", "fmin", "fmax",
                                              "ldexp")},
     "special_xlog1py": (None, 9, 2, "special.xlog1py"),
+    **{name: (None, 9, tensors, f"ops.aten.{name}") for name, (tensors, _, _) in _LOSSES.items()},
     "threshold": (symbolic_opset9.threshold, 9, 1, "threshold"),  # a non-zero threshold: refused by the exporter
     "round": (symbolic_opset11.round, 11, 1, "round"),  # with decimals: refused by the exporter
     "linalg_inv": (None, 9, 1, "linalg.inv"),
@@ -148,9 +162,16 @@ def _function(name, default, tensors, function):
             params["args"] = [_constant_value(value, name) for value in constants[:2]]
             params["output_type"] = onnx.TensorProto.INT64
         else:
+            if name in _LOSS_WEIGHTS and not symbolic_helper._is_none(constants[_LOSS_WEIGHTS[name]]):
+                raise SymbolicValueError(f"torch's {name} with a weight cannot be trained in ONNX Runtime: multiply "
+                                         "its unreduced loss (reduction='none') by the weight instead", inputs[0])
             params["args"] = [_constant_value(value, name) for value in constants]
         ranks = [symbolic_helper._get_tensor_rank(value) for value in inputs]  # None: unknown, or a scalar
         rank = None if ranks[0] is None else max(r for r in ranks if r is not None)
+        if name in _LOSSES:
+            _, reduction, unreduced = _LOSSES[name]
+            params["shape"] = unreduced if params["args"][reduction] == 0 else "scalar"
+            rank = {"scalar": 0, "rows": 1}.get(params["shape"], rank)
         if name in _WITH_INDICES and (name != "median" or constants):
             return _values_and_indices(g, inputs[0], rank, params)
         if name == "median":  # of all the values: a 0-d value only
@@ -181,6 +202,8 @@ def _values_and_indices(g, x, rank, params):
 
 def _constant_value(value, name):
     """A constant argument as a Python number (or list of numbers)."""
+    if symbolic_helper._is_none(value):
+        return None
     constant = symbolic_helper._maybe_get_const(value, "t")
     if not isinstance(constant, torch.Tensor):
         raise SymbolicValueError(f"aten::{name}: an argument computed in the graph (a constant is needed)", value)

@@ -222,17 +222,18 @@ def builder_fixes_after_optimization(model):
     squares and a Sqrt into a ReduceL2) and undoes Identity nodes. Also run on the exported
     forward: ORTModule's builder optimizes inside."""
     concat_inputs_read_once(model)
-    l2_norms_keeping_dims(model)
+    reductions_keeping_dims(model)
 
 
-def l2_norms_keeping_dims(model):
-    """ReduceL2 with keepdims=0 as ReduceL2 keeping its dims and a Squeeze of them (in place): ONNX
-    Runtime's gradient of the former builds an invalid graph (torch.linalg.vector_norm(x),
-    torch.linalg.matrix_norm, sqrt((x * x).sum(dims)) failed to build or to load)."""
+def reductions_keeping_dims(model):
+    """ReduceL2 and ReduceLogSumExp with keepdims=0 as the same reduction keeping its dims and a
+    Squeeze of them (in place): ONNX Runtime's gradients of the former build invalid graphs
+    (torch.linalg.vector_norm(x), torch.logsumexp(x, 1) failed to build)."""
     nodes = []
     for node in model.graph.node:
         attributes = node_attributes(node)
-        if node.op_type != "ReduceL2" or node.domain not in ("", "ai.onnx") or attributes.get("keepdims", 1) \
+        if node.op_type not in ("ReduceL2", "ReduceLogSumExp") or node.domain not in ("", "ai.onnx") \
+                or attributes.get("keepdims", 1) \
                 or len(node.input) > 1:  # opset 18's axes input: not exported at our opsets
             nodes.append(node)
             continue

@@ -84,6 +84,8 @@ def _function_shape(shapes, params):
     padded = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]
     broadcast = [max(dims) if 1 in dims else dims[0] for dims in zip(*padded)]
     function, args = params["function"], params["args"]
+    if "shape" in params:  # a loss: reduced, one per row, or elementwise
+        return {"scalar": [], "rows": broadcast[:1]}.get(params["shape"], broadcast)
     if function in _REDUCING:
         dims, keepdim = args[-2:] if args else (None, False)
         reduced = set(range(rank)) if dims is None else {d % rank for d in ([dims] if isinstance(dims, int) else dims)}

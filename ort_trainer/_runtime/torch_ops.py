@@ -109,8 +109,16 @@ def _input_gradient(forward):
             return [torch.zeros_like(operands[k])]
         operands[k] = operands[k].detach().requires_grad_(True)
         with torch.enable_grad():
-            output = forward(operands, params)[0]  # the values of (values, indices)
-        return list(torch.autograd.grad(output, operands[k], grad))
+            try:
+                output = forward(operands, params)[0]  # the values of (values, indices)
+            except RuntimeError as error:  # a loss's target: ONNX Runtime asks for every input's gradient
+                if "is not differentiable with respect to argument" not in str(error):
+                    raise
+                return [torch.zeros_like(operands[k])]
+        if not output.requires_grad:  # the output does not depend on this input (hinge_embedding_loss's target)
+            return [torch.zeros_like(operands[k])]
+        result = torch.autograd.grad(output, operands[k], grad, allow_unused=True)[0]
+        return [torch.zeros_like(operands[k]) if result is None else result]
     return gradient
 
 
