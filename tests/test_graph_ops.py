@@ -259,6 +259,27 @@ def test_op_without_gradient_off_the_parameters_path_trains():
     assert_trains_like_torch(CumulativeFeatures(), VECTOR_DESC, batches((2, 4), (2, 4)), opset=16)
 
 
+@pytest.mark.parametrize("norm", [
+    lambda h: h * torch.linalg.matrix_norm(h), lambda h: h * torch.sqrt((h * h).mean((0, 1))),
+    lambda h: h * torch.linalg.vector_norm(h), lambda h: (h.T / torch.linalg.vector_norm(h, 2, 1)).T,
+    lambda h: h - torch.logsumexp(h, 1, keepdim=False).unsqueeze(1),
+], ids=["matrix_norm", "sqrt of a mean over dims", "vector_norm of all", "vector_norms of rows", "logsumexp"])
+def test_norms_train_like_torch(norm):
+    """ONNX Runtime's graphs of these failed to build or to load: ReduceL2 and ReduceLogSumExp
+    without keepdims, a Sqrt of a 0-d value after a ReduceSum over explicit dims."""
+
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return norm(self.linear(x))
+
+    torch.manual_seed(0)
+    assert_trains_like_torch(Normed(), VECTOR_DESC, batches((3, 4), (3, 4)))
+
+
 @pytest.mark.parametrize("layer", ["lstm", "gru"])
 def test_a_bidirectional_recurrence_is_refused_by_name(layer):
     """ONNX Runtime's LSTM and GRU training kernels run forwards only (its session failed to load)."""

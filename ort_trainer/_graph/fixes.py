@@ -223,6 +223,29 @@ def builder_fixes_after_optimization(model):
     forward: ORTModule's builder optimizes inside."""
     concat_inputs_read_once(model)
     reductions_keeping_dims(model)
+    scalar_square_roots_as_vectors(model)
+
+
+def scalar_square_roots_as_vectors(model):
+    """Sqrt of a 0-d tensor as Sqrt of it reshaped to [1], reshaped back (in place): ONNX Runtime's
+    Sqrt gradient multiplies by a [1]-shaped constant, so a 0-d gradient came out 1-d, and the
+    Unsqueeze of a ReduceSum over explicit dims before it then made an input gradient of rank 3
+    (torch.linalg.matrix_norm, sqrt((h * h).sum((0, 1))): the session refused the graph)."""
+    if not any(node.op_type == "Sqrt" for node in model.graph.node):
+        return
+    tensors, nodes = inferred_tensors(model), []
+    for node in model.graph.node:
+        if node.op_type != "Sqrt" or node.domain not in ("", "ai.onnx") \
+                or tensors.get(node.input[0], (0, None))[1] != ():
+            nodes.append(node)
+            continue
+        vector, root = f"{node.output[0]}__vector", f"{node.output[0]}__vector_root"
+        nodes += [int64_constant(f"{vector}_shape", [1]), int64_constant(f"{vector}_scalar", []),
+                  onnx.helper.make_node("Reshape", [node.input[0], f"{vector}_shape"], [vector], name=vector),
+                  onnx.helper.make_node("Sqrt", [vector], [root], name=node.name),
+                  onnx.helper.make_node("Reshape", [root, f"{vector}_scalar"], [node.output[0]], name=root)]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def reductions_keeping_dims(model):
