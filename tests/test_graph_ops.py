@@ -564,11 +564,14 @@ class Classes(nn.Module):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("positions", [(), (4,)], ids=["2d", "3d"])
-def test_cross_entropy_with_label_smoothing_trains_like_torch(reduction, positions):
-    """torch's exporter refuses label_smoothing; ours exports torch's formula."""
+def test_cross_entropy_with_label_smoothing_trains_like_torch(reduction, weighted, positions):
+    """torch's exporter refuses label_smoothing; ours exports torch's formula (class weights too)."""
+    weight = torch.linspace(0.5, 1.5, 5) if weighted else None
+
     def loss_fn(logits, target):
-        loss = nn.functional.cross_entropy(logits, target, label_smoothing=0.2, reduction=reduction)
+        loss = nn.functional.cross_entropy(logits, target, weight=weight, label_smoothing=0.2, reduction=reduction)
         return loss if reduction != "none" else loss.sum() / 7
 
     dims = ["batch", *(f"p{i}" for i in range(len(positions)))]
@@ -578,9 +581,6 @@ def test_cross_entropy_with_label_smoothing_trains_like_torch(reduction, positio
 
 
 @pytest.mark.parametrize("loss_fn, message", [
-    (lambda logits, target: nn.functional.cross_entropy(logits, target, weight=torch.ones(5), label_smoothing=0.1),
-     "cross_entropy with label_smoothing and class weights cannot be exported; drop one, or smooth the targets "
-     "yourself (class probabilities)"),
     (lambda logits, target: nn.functional.binary_cross_entropy(torch.sigmoid(logits), (logits > 0).float(),
                                                                weight=torch.ones(5)),
      "torch's binary_cross_entropy with a weight cannot be trained in ONNX Runtime: multiply its unreduced loss "

@@ -168,10 +168,11 @@ def _rms_norm(g, x, normalized_shape, weight, eps):
 
 def _cross_entropy(g, logits, target, weight, reduction, ignore_index, label_smoothing):
     """F.cross_entropy; with label_smoothing e > 0 (torch's symbolic refuses it), for class-index
-    targets without class weights: (1 - e) * nll + e * mean over the classes of -log_softmax, both
-    0 where the target is ignore_index, reduced as `reduction` (mean: over the counted targets), as
-    torch computes it. Built from LogSoftmax, GatherElements and reductions, whose gradients ONNX
-    Runtime has. Class-probability targets: `_cross_entropy_of_probabilities`."""
+    targets: (1 - e) * w_y * nll + e * mean over the classes of -w_c * log_softmax (w: the class
+    weights, or 1), both 0 where the target is ignore_index, reduced as `reduction` (mean: divided by
+    the counted targets' weights), as torch computes it. Built from LogSoftmax, GatherElements and
+    reductions, whose gradients ONNX Runtime has. Class-probability targets:
+    `_cross_entropy_of_probabilities`."""
     smoothing = symbolic_helper._maybe_get_const(label_smoothing, "f")
     if not isinstance(smoothing, (float, int)):
         raise SymbolicValueError("cross_entropy: label_smoothing is computed in the graph; pass a Python float",
@@ -181,9 +182,6 @@ def _cross_entropy(g, logits, target, weight, reduction, ignore_index, label_smo
     if not smoothing:
         return symbolic_opset12.cross_entropy_loss(g, logits, target, weight, reduction, ignore_index,
                                                    label_smoothing)
-    if not weight.node().mustBeNone():
-        raise SymbolicValueError("cross_entropy with label_smoothing and class weights cannot be exported; "
-                                 "drop one, or smooth the targets yourself (class probabilities)", logits)
     reduction = ("none", "mean", "sum")[_constant_int(reduction, "cross_entropy", "reduction")]
     ignore = _constant_int(ignore_index, "cross_entropy", "ignore_index")
 
@@ -192,17 +190,33 @@ def _cross_entropy(g, logits, target, weight, reduction, ignore_index, label_smo
 
     log_probs = g.op("LogSoftmax", logits, axis_i=1)
     counted = g.op("Not", g.op("Equal", target, constant(ignore)))
-    index = g.op("Unsqueeze", g.op("Where", counted, target, constant(0)), constant([1]))
-    picked = g.op("Squeeze", g.op("GatherElements", log_probs, index, axis_i=1), constant([1]))
+    safe_target = g.op("Where", counted, target, constant(0))
+    picked = g.op("Squeeze", g.op("GatherElements", log_probs, g.op("Unsqueeze", safe_target, constant([1])),
+                                  axis_i=1), constant([1]))
+    mask = g.op("Cast", counted, to_i=_scalar_type(logits).onnx_type())
+    if not weight.node().mustBeNone():
+        picked = g.op("Mul", picked, g.op("Gather", weight, safe_target, axis_i=0))
+        mask_weights = g.op("Mul", mask, g.op("Gather", weight, safe_target, axis_i=0))
+        log_probs = _class_weighted(g, log_probs, weight, logits)
+    else:
+        mask_weights = mask
     mean_over_classes = g.op("ReduceMean", log_probs, axes_i=[1], keepdims_i=0)
     per_target = g.op("Neg", g.op("Add", g.op("Mul", picked, constant(1.0 - smoothing, torch.float32)),
                                   g.op("Mul", mean_over_classes, constant(smoothing, torch.float32))))
-    mask = g.op("Cast", counted, to_i=_scalar_type(logits).onnx_type())
     losses = g.op("Mul", per_target, mask)
     if reduction == "none":
         return losses
     total = g.op("ReduceSum", losses, keepdims_i=0)
-    return total if reduction == "sum" else g.op("Div", total, g.op("ReduceSum", mask, keepdims_i=0))
+    return total if reduction == "sum" else g.op("Div", total, g.op("ReduceSum", mask_weights, keepdims_i=0))
+
+
+def _class_weighted(g, log_probs, weight, logits):
+    """log_probs [N, C, ...] times the class weights [C], broadcast over the other dims."""
+    rank = symbolic_helper._get_tensor_rank(logits)
+    if rank is None:
+        raise SymbolicValueError("cross_entropy with class weights: the logits' rank is unknown", logits)
+    axes = g.op("Constant", value_t=torch.tensor([0, *range(2, rank)], dtype=torch.int64))
+    return g.op("Mul", log_probs, g.op("Unsqueeze", weight, axes))  # [1, C, 1, ...]
 
 
 def _cross_entropy_of_probabilities(g, logits, target, weight, reduction, smoothing):
@@ -211,11 +225,7 @@ def _cross_entropy_of_probabilities(g, logits, target, weight, reduction, smooth
     the targets smoothed, t (1 - e) + e / C, as torch computes it; mean: over the samples."""
     log_probs = g.op("LogSoftmax", logits, axis_i=1)
     if not weight.node().mustBeNone():
-        rank = symbolic_helper._get_tensor_rank(logits)
-        if rank is None:
-            raise SymbolicValueError("cross_entropy with class weights: the logits' rank is unknown", logits)
-        axes = g.op("Constant", value_t=torch.tensor([0, *range(2, rank)], dtype=torch.int64))
-        log_probs = g.op("Mul", log_probs, g.op("Unsqueeze", weight, axes))  # [1, C, 1, ...]
+        log_probs = _class_weighted(g, log_probs, weight, logits)
     classes = g.op("Constant", value_t=torch.tensor([1], dtype=torch.int64))
     losses = g.op("Neg", g.op("ReduceSum", g.op("Mul", target, log_probs), classes, keepdims_i=0))
     if smoothing:
