@@ -328,3 +328,21 @@ def test_transformers_trainer_with_bf16_runs_its_steps_in_the_graph(bf16_cpu, mo
     assert len(logs[0]) == len(logs[1]) == 4
     for ours, theirs in zip(*logs):
         assert ours == pytest.approx(theirs, rel=LOSS_RTOL, abs=1.01e-4), logs
+
+
+def test_a_bias_add_folds_into_its_product_only_where_the_bias_is_computed_before_it():
+    """The torch node takes the MatMul's place: a bias computed after the MatMul (here b * 2, traced
+    after the product) stays a separate Add, so the graph stays in order; one ready before folds."""
+    make = onnx.helper.make_node
+    model = _graph([make("MatMul", ["x", "w"], ["h"]), make("Add", ["h", "b"], ["folded"]),
+                    make("MatMul", ["folded", "v"], ["m"]), make("Add", ["b", "b"], ["late"]),
+                    make("Add", ["m", "late"], ["y"])],
+                   [("x", [4, 3]), ("w", [3, 5]), ("b", [5]), ("v", [5, 5])], ["y"])
+    assert lower_precision(model, "bfloat16", device_type="cpu", differentiable=["w", "b", "v"]) == 2
+    nodes = {node.output[0]: node for node in model.graph.node}
+    assert nodes["folded"].op_type == "ATen" and "h" not in nodes and set(nodes["folded"].input) == {"x", "w", "b"}
+    assert nodes["m"].op_type == "ATen" and nodes["y"].op_type == "Add" and list(nodes["y"].input) == ["m", "late"]
+    produced = {value.name for value in model.graph.input}
+    for node in model.graph.node:  # topologically sorted
+        assert produced.issuperset(name for name in node.input if name), node
+        produced.update(node.output)

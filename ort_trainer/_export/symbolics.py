@@ -195,8 +195,9 @@ def _cross_entropy(g, logits, target, weight, reduction, ignore_index, label_smo
                                   axis_i=1), constant([1]))
     mask = g.op("Cast", counted, to_i=_scalar_type(logits).onnx_type())
     if not weight.node().mustBeNone():
-        picked = g.op("Mul", picked, g.op("Gather", weight, safe_target, axis_i=0))
-        mask_weights = g.op("Mul", mask, g.op("Gather", weight, safe_target, axis_i=0))
+        target_weights = g.op("Gather", weight, safe_target, axis_i=0)
+        picked = g.op("Mul", picked, target_weights)
+        mask_weights = g.op("Mul", mask, target_weights)
         log_probs = _class_weighted(g, log_probs, weight, logits)
     else:
         mask_weights = mask

@@ -163,9 +163,9 @@ def prepare_for_gradient(model, trainable):
     Where/Pow inputs as ops whose ORT gradients exist and are right; CumSum in the form whose
     gradient `_graph.gradients` registers; ops ORT cannot differentiate as torch nodes, and the
     torch nodes' gradients; ReduceMax/ReduceMin and
-    reversing Slices (torch.flip) as ops with gradients; 'same' padding as explicit pads. Returns the
-    padding-row aliases added
-    (graph inputs to bind to their weights' memory)."""
+    reversing Slices (torch.flip) as ops with gradients; 'same' padding as explicit pads; then
+    `builder_fixes_after_optimization`. Returns the padding-row aliases added (graph inputs to bind
+    to their weights' memory)."""
     register_gradients()
     refuse_reversed_recurrences(model, trainable)
     gradients_through_torch(model, trainable)
@@ -195,14 +195,14 @@ def refuse_reversed_recurrences(model, trainable):
 
 
 def same_padding_explicit(model):
-    """Conv and ConvTranspose with auto_pad SAME_UPPER/SAME_LOWER and stride 1 (torch's
-    padding='same') get the explicit pads they stand for (in place): ONNX Runtime's ConvGrad
+    """A Conv with auto_pad SAME_UPPER/SAME_LOWER and stride 1 (torch's padding='same') gets the
+    explicit pads it stands for (in place): ONNX Runtime's ConvGrad
     computed wrong gradients from auto_pad (silently: losses 8e-2 off torch's after 3 steps of
     Conv1d(8, 8, 4, padding='same'))."""
     for node in model.graph.node:
         attributes = node_attributes(node)
         mode = attributes.get("auto_pad", b"NOTSET")
-        if node.op_type not in ("Conv", "ConvTranspose") or mode not in (b"SAME_UPPER", b"SAME_LOWER") \
+        if node.op_type != "Conv" or mode not in (b"SAME_UPPER", b"SAME_LOWER") \
                 or any(stride != 1 for stride in attributes.get("strides", [])) or "kernel_shape" not in attributes:
             continue
         kernel = list(attributes["kernel_shape"])
@@ -218,8 +218,8 @@ def same_padding_explicit(model):
 
 def builder_fixes_after_optimization(model):
     """The fixes of an optimized forward (in place), right before the gradient builder: ONNX
-    Runtime's optimizer makes the patterns they fix (it merges equal nodes, fuses a ReduceSum of
-    squares and a Sqrt into a ReduceL2) and undoes Identity nodes. Also run on the exported
+    Runtime's optimizer makes patterns they fix (it merges equal nodes, so that one tensor is
+    concatenated twice) and removes the Identity nodes one of them adds. Also run on the exported
     forward: ORTModule's builder optimizes inside."""
     concat_inputs_read_once(model)
     reductions_keeping_dims(model)

@@ -31,8 +31,10 @@ def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
         for name in node.input:
             readers.setdefault(name, []).append(node)
     graph_outputs = {output.name for output in model.graph.output}
+    available = {value.name for value in (*model.graph.input, *model.graph.initializer)}  # so far, in order
     nodes, outputs, folded_adds = [], [], set()
     for node in model.graph.node:
+        available.update(node.output)
         params = product_params(node)
         if node.op_type == "Add" and node.output[0] in folded_adds:
             continue
@@ -44,7 +46,8 @@ def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
             for k, flag in ((0, "trans_a"), (1, "trans_b")):
                 if inputs[k] in transposes:
                     inputs[k], params[flag] = transposes[inputs[k]].input[0], not params[flag]
-        bias_add = None if output in graph_outputs else _bias_add(node, params, readers.get(output, []), tensors)
+        bias_add = None if output in graph_outputs else _bias_add(node, params, readers.get(output, []), tensors,
+                                                                  available)
         if bias_add is not None:  # added inside the product, as torch's linear adds its bias
             inputs.append(bias_add.input[1] if bias_add.input[0] == output else bias_add.input[0])
             output = bias_add.output[0]
@@ -65,9 +68,10 @@ def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
     return outputs
 
 
-def _bias_add(node, params, readers, tensors):
-    """The Add that is the only reader of a MatMul's output and adds a 1-d fp32 tensor to it (the
-    bias of a linear on a batch of sequences, which the exporter splits from its product), or None."""
+def _bias_add(node, params, readers, tensors, available):
+    """The Add that is the only reader of a MatMul's output and adds a 1-d fp32 tensor, `available`
+    already (the torch node takes the MatMul's place), to it (the bias of a linear on a batch of
+    sequences, which the exporter splits from its product), or None."""
     if params["kind"] != "matmul" or params["alpha"] != 1.0 or len(readers) != 1:
         return None
     add = readers[0]
@@ -75,7 +79,8 @@ def _bias_add(node, params, readers, tensors):
         return None
     bias = add.input[1] if add.input[0] == node.output[0] else add.input[0]
     element_type, dims = tensors.get(bias, (0, None))
-    return add if element_type == onnx.TensorProto.FLOAT and dims is not None and len(dims) == 1 else None
+    folds = bias in available and element_type == onnx.TensorProto.FLOAT and dims is not None and len(dims) == 1
+    return add if folds else None
 
 
 def _swaps_last_two_dims(node):
