@@ -1,4 +1,5 @@
 """export_onnx: an inference model that plain onnxruntime runs, matching torch within 1e-5."""
+import io
 import re
 
 import numpy as np
@@ -73,3 +74,45 @@ def test_export_before_any_step_is_refused(tmp_path):
             "export_onnx() needs a sample batch: call train_step() or eval_step() once first")):
         trainer.export_onnx(tmp_path / "m.onnx")
     assert list(tmp_path.iterdir()) == []
+
+
+class PaddedElu(torch.nn.Module):
+    """Ops our training exports write differently from torch: reflect padding (a torch node) and Elu
+    (decomposed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(2, 2, 3)
+
+    def forward(self, x):
+        return torch.nn.functional.elu(self.conv(torch.nn.functional.pad(x, (1, 1), mode="reflect")))
+
+
+def users_training_export(model, x):
+    """The user's own torch.onnx.export of `model` in training mode: its op types."""
+    buffer = io.BytesIO()
+    torch.onnx.export(model, (x,), buffer, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                      do_constant_folding=False)
+    return {node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node}
+
+
+def test_our_symbolics_leave_a_users_own_export_as_torch_writes_it():
+    """Our symbolics are registered for our exports only: after training, a user's own training
+    export still gets torch's ops (ours write torch nodes a plain ONNX Runtime cannot run), and a
+    symbolic the user registered for an op we also export is theirs again."""
+    x = torch.randn(4, 2, 6)
+    expected = users_training_export(PaddedElu(), x)
+    assert {"Pad", "Elu"} <= expected and "ATen" not in expected
+    torch.onnx.register_custom_op_symbolic("aten::elu", users_elu, 9)
+    try:
+        desc = {"inputs": [("x", ["batch", 2, 6]), ("y", ["batch", 2, 6])], "outputs": [("loss", [], True)]}
+        trainer = ORTTrainer(PaddedElu(), desc, optim.SGDConfig(lr=0.1), loss_fn=torch.nn.functional.mse_loss)
+        trainer.train_step(x, torch.randn(4, 2, 6))
+        assert users_training_export(PaddedElu(), x) == expected - {"Elu"} | {"Relu"}
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::elu", 9)
+    assert users_training_export(PaddedElu(), x) == expected
+
+
+def users_elu(g, x, alpha, scale, input_scale):
+    return g.op("Relu", x)

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.onnx.errors import SymbolicValueError
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
-from ort_trainer._export.symbolics import register_symbolics
+from ort_trainer._export.symbolics import our_symbolics
 from ort_trainer._graph.fixes import expand_broadcast_inputs
 from ort_trainer._graph.missing_gradient import MissingGradientError, torch_module
 from ort_trainer._graph.normalization import decompose_instance_normalization
@@ -71,11 +71,11 @@ def export(model, inputs, input_names, dynamic_axes=None, opset=14):
             output = self.model(*tensors[:-1])
             return mse(output, tensors[-1]), output
 
-    register_symbolics()
     buffer = io.BytesIO()
-    torch.onnx.export(Traced(), tuple(inputs), buffer, dynamo=False, input_names=input_names,
-                      output_names=["loss", "output"], dynamic_axes=dynamic_axes, opset_version=opset,
-                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    with our_symbolics():
+        torch.onnx.export(Traced(), tuple(inputs), buffer, dynamo=False, input_names=input_names,
+                          output_names=["loss", "output"], dynamic_axes=dynamic_axes, opset_version=opset,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
     return onnx.load_from_string(buffer.getvalue()), [f"model.{name}" for name, _ in model.named_parameters()]
 
 
@@ -444,9 +444,9 @@ def test_diff_export_computes_torch_diff(opset, x, kwargs):
         def forward(self, x):
             return torch.diff(x, **kwargs)
 
-    register_symbolics()
     buffer = io.BytesIO()
-    torch.onnx.export(Diff(), (x,), buffer, dynamo=False, input_names=["x"], opset_version=opset)
+    with our_symbolics():
+        torch.onnx.export(Diff(), (x,), buffer, dynamo=False, input_names=["x"], opset_version=opset)
     session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
     ours = session.run(None, {"x": x.numpy()})[0]
     expected = torch.diff(x, **kwargs).numpy()
@@ -471,9 +471,9 @@ def test_cumsum_export_has_torch_result_type(opset, cumsum):
             return cumsum(x)
 
     x = torch.tensor([[0, 1, 2, 0, 1, 5], [3, 4, 5, 6, 0, 1]])
-    register_symbolics()
     buffer = io.BytesIO()
-    torch.onnx.export(CumSum(), (x,), buffer, dynamo=False, input_names=["x"], opset_version=opset)
+    with our_symbolics():
+        torch.onnx.export(CumSum(), (x,), buffer, dynamo=False, input_names=["x"], opset_version=opset)
     session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
     ours, expected = session.run(None, {"x": x.numpy()})[0], cumsum(x).numpy()
     assert ours.dtype == expected.dtype
@@ -485,10 +485,9 @@ def test_diff_with_a_computed_n_is_refused_at_export():
         def forward(self, x):
             return torch.diff(x, n=x.shape[0] - 1, dim=1)
 
-    register_symbolics()
-    with pytest.raises(SymbolicValueError, match=r"^torch\.diff: argument n is computed in the graph \(from a "
-                                                 r"dynamic size\?\), the ONNX export needs it constant: pass a "
-                                                 r"Python int for n"):
+    with our_symbolics(), pytest.raises(SymbolicValueError, match=r"^torch\.diff: argument n is computed in the "
+                                                                r"graph \(from a dynamic size\?\), the ONNX export "
+                                                                r"needs it constant: pass a Python int for n"):
         torch.onnx.export(SizeDependent(), (torch.randn(3, 4),), io.BytesIO(), dynamo=False, input_names=["x"],
                           dynamic_axes={"x": {0: "batch"}})
 
@@ -663,10 +662,11 @@ def test_movedim_export_computes_torch_movedim(source, destination):
         def forward(self, x):
             return x.movedim(source, destination) * 1
 
-    register_symbolics()
     x = torch.randn(2, 3, 4)
     buffer = io.BytesIO()
-    torch.onnx.export(MoveDim(), (x,), buffer, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+    with our_symbolics():
+        torch.onnx.export(MoveDim(), (x,), buffer, dynamo=False, input_names=["x"],
+                          dynamic_axes={"x": {0: "batch"}})
     session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(session.run(None, {"x": x.numpy()})[0], x.movedim(source, destination).numpy())
 
@@ -706,10 +706,10 @@ def test_activation_without_an_ort_gradient_trains_like_torch(name):
 @pytest.mark.parametrize("name, op", [("elu", "Elu"), ("selu", "Selu"), ("softplus", "Softplus"),
                                       ("hardswish", "HardSwish"), ("prelu", "PRelu")])
 def test_an_inference_export_keeps_the_activation_op(name, op):
-    register_symbolics()
     buffer = io.BytesIO()
-    torch.onnx.export(LinearThen(ACTIVATIONS[name]), (torch.randn(2, 6),), buffer, dynamo=False, input_names=["x"],
-                      opset_version=14, training=torch.onnx.TrainingMode.EVAL)
+    with our_symbolics():
+        torch.onnx.export(LinearThen(ACTIVATIONS[name]), (torch.randn(2, 6),), buffer, dynamo=False,
+                          input_names=["x"], opset_version=14, training=torch.onnx.TrainingMode.EVAL)
     assert op in {node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node}
 
 

@@ -1,35 +1,58 @@
-"""TorchScript-exporter symbolics for aten ops it lacks or exports wrong, registered once per process."""
+"""TorchScript-exporter symbolics for aten ops it lacks or exports wrong, registered for the
+duration of our own exports only (`our_symbolics`)."""
+import contextlib
 import functools
+import threading
 
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import symbolic_opset9, symbolic_opset12, symbolic_opset14
+from torch.onnx._internal.torchscript_exporter import registration, symbolic_opset9, symbolic_opset12, symbolic_opset14
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 from torch.onnx.errors import SymbolicValueError
 
-from .torch_node_symbolics import register_torch_node_symbolics
+from .torch_node_symbolics import torch_node_symbolics
 
 # Domain of the marker nodes our symbolics leave for `_graph.fixes` to rewrite (none reaches ORT).
 MARKER_DOMAIN = "ort_trainer"
 
+_EXPORTING = threading.RLock()  # the registry is process-wide: one export with our symbolics at a time
 
-@functools.cache
-def register_symbolics():
-    """Registers our symbolics (idempotent; called before every export).
+
+@contextlib.contextmanager
+def our_symbolics():
+    """Our symbolics registered for one export, then removed: a user's own `torch.onnx.export` in
+    the same process gets torch's symbolics back (a training export with ours would write torch
+    nodes a plain ONNX Runtime cannot run), and a custom symbolic the user registered for the same
+    op and opset is restored.
 
     A symbolic serves its opset and every later one: the exporter picks the newest registration
     at or below the target, ours before torch's at the same opset.
     """
-    torch.onnx.register_custom_op_symbolic("aten::diff", _diff, 9)
-    torch.onnx.register_custom_op_symbolic("aten::cumsum", _cumsum, 11)  # ONNX CumSum: opset 11
-    torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _attention, 14)
-    torch.onnx.register_custom_op_symbolic("aten::embedding", _embedding, 9)
-    torch.onnx.register_custom_op_symbolic("aten::cross_entropy_loss", _cross_entropy, 12)
-    torch.onnx.register_custom_op_symbolic("aten::movedim", _movedim, 9)
-    torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm, 9)
-    for name, symbolic, opset in _ACTIVATIONS:
-        torch.onnx.register_custom_op_symbolic(f"aten::{name}", symbolic, opset)
-    register_torch_node_symbolics()
+    with _EXPORTING:
+        users = {}
+        for name, symbolic, opset in _symbolics():
+            versions = registration.registry.get_function_group(name)
+            if versions is not None and versions._functions.overridden(opset):
+                users[name, opset] = versions._functions[opset]
+            torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
+        try:
+            yield
+        finally:
+            for name, _, opset in _symbolics():
+                torch.onnx.unregister_custom_op_symbolic(name, opset)
+            for (name, opset), symbolic in users.items():
+                torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
+
+
+@functools.cache
+def _symbolics():
+    """(aten op, symbolic, opset) of every symbolic of ours."""
+    return (("aten::diff", _diff, 9), ("aten::cumsum", _cumsum, 11),  # ONNX CumSum: opset 11
+            ("aten::scaled_dot_product_attention", _attention, 14), ("aten::embedding", _embedding, 9),
+            ("aten::cross_entropy_loss", _cross_entropy, 12), ("aten::movedim", _movedim, 9),
+            ("aten::rms_norm", _rms_norm, 9),
+            *((f"aten::{name}", symbolic, opset) for name, symbolic, opset in _ACTIVATIONS),
+            *torch_node_symbolics())
 
 
 # Activations ONNX Runtime 1.19 has no gradient for (PRelu, Elu, Celu, Selu, Softplus and so Mish,

@@ -63,13 +63,12 @@ FUNCTIONS = {
 }
 
 
-def register_torch_node_symbolics():
-    for dims in (1, 2, 3):
-        torch.onnx.register_custom_op_symbolic(f"aten::adaptive_avg_pool{dims}d", _adaptive_avg_pool(dims), 9)
-    torch.onnx.register_custom_op_symbolic("aten::detach", _detach, 9)
-    torch.onnx.register_custom_op_symbolic("aten::pad", _pad, 11)
-    for name, (default, opset, tensors, function) in FUNCTIONS.items():
-        torch.onnx.register_custom_op_symbolic(f"aten::{name}", _function(name, default, tensors, function), opset)
+def torch_node_symbolics():
+    """(aten op, symbolic, opset) of the symbolics writing torch nodes."""
+    return (*((f"aten::adaptive_avg_pool{dims}d", _adaptive_avg_pool(dims), 9) for dims in (1, 2, 3)),
+            ("aten::detach", _detach, 9), ("aten::pad", _pad, 11),
+            *((f"aten::{name}", _function(name, default, tensors, function), opset)
+              for name, (default, opset, tensors, function) in FUNCTIONS.items()))
 
 
 def _torch_node(g, operator, inputs, *, rank, outputs=1, **params):

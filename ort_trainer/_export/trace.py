@@ -17,7 +17,7 @@ from .batch_norm import running_statistics_kept
 from .binding import BindingError, present_inputs, select_outputs, training_flags_kept
 from .guards import DataDependentTraceError, watch_data_dependence
 from .hf_compat import export_patches
-from .symbolics import register_symbolics
+from .symbolics import our_symbolics
 from .torch_node_symbolics import NoGradValuesDetached
 
 # What the exporter says about itself while we use it on purpose: the TorchScript exporter's
@@ -68,10 +68,9 @@ def _export(module, args, **kwargs):
     train/eval flag and the RNG kept; returns the serialized model. Our own errors pass as they are, the
     exporter's become an ExportError naming the operator; a trace whose Python code read tensor
     values raises DataDependentTraceError."""
-    register_symbolics()
     buffer = io.BytesIO()
     try:
-        with training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
+        with our_symbolics(), training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
                 export_patches(module), NoGradValuesDetached(), watch_data_dependence() as data_dependent:
             for message in _EXPORTER_NOTICES:
                 warnings.filterwarnings("ignore", message=message)
