@@ -3,6 +3,7 @@ inputs or renamed, shape inference, which tensors a graph computes from which, t
 SessionOptions ONNX Runtime's graph tools and our sessions start from, and torch nodes."""
 import json
 
+import numpy as np
 import onnx
 from onnxruntime import SessionOptions
 
@@ -72,8 +73,19 @@ def int64_constant(name, value):
 
 def inferred_tensors(model):
     """{tensor name: (element type, dims)} by ONNX shape inference; a dim is its size, its symbolic
-    name, or None when unknown."""
-    graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+    name, or None when unknown. Small integer tensors computed from constants alone (torch's export
+    writes a Slice's bounds as Unsqueezes of Constants) are given to the inference as Constants:
+    it reads a Slice's bounds from constants only, and would leave the dims of `x[:4]` unknown."""
+    folded = _index_constants_folded(model.graph.node)
+    if folded is None:
+        graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+    else:
+        original = list(model.graph.node)
+        _replace_nodes(model.graph, folded)
+        try:
+            graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+        finally:
+            _replace_nodes(model.graph, original)
     tensors = {}
     for value in (*graph.input, *graph.value_info, *graph.output):
         tensor_type = value.type.tensor_type
@@ -81,6 +93,54 @@ def inferred_tensors(model):
                 if tensor_type.HasField("shape") else None)
         tensors[value.name] = (tensor_type.elem_type, dims)
     return tensors
+
+
+def _replace_nodes(graph, nodes):
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+_INDEX_OPS = frozenset({"Unsqueeze", "Squeeze", "Concat", "Cast", "Identity"})
+_MAX_INDEX_ELEMENTS = 64
+
+
+def _index_constants_folded(nodes):
+    """`nodes` with each index op (`_INDEX_OPS`) whose inputs are all small integer constants
+    replaced by a Constant of its value; None when there is none."""
+    known, folded, changed = {}, [], False
+    for node in nodes:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            if node.attribute and node.attribute[0].name == "value":
+                value = onnx.numpy_helper.to_array(node.attribute[0].t)
+                if value.dtype.kind in "iu" and value.size <= _MAX_INDEX_ELEMENTS:
+                    known[node.output[0]] = value
+        elif (node.op_type in _INDEX_OPS and node.domain in ("", "ai.onnx") and node.input
+              and all(name in known for name in node.input)):
+            value = _index_op(node, [known[name] for name in node.input])
+            if value is not None and value.dtype.kind in "iu" and value.size <= _MAX_INDEX_ELEMENTS:
+                known[node.output[0]] = value
+                node = onnx.helper.make_node("Constant", [], [node.output[0]], name=node.name,
+                                             value=onnx.numpy_helper.from_array(value, node.output[0]))
+                changed = True
+        folded.append(node)
+    return folded if changed else None
+
+
+def _index_op(node, values):
+    """The value of an index op on constant inputs (NumPy); None where not evaluated here."""
+    attributes = node_attributes(node)
+    if node.op_type == "Identity":
+        return values[0]
+    if node.op_type == "Concat":
+        return np.concatenate(values, axis=attributes["axis"])
+    if node.op_type == "Cast":
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(attributes["to"])
+        return values[0].astype(dtype) if np.dtype(dtype).kind in "iu" else None
+    axes = values[1].tolist() if len(values) > 1 else attributes.get("axes")
+    if node.op_type == "Squeeze":
+        return np.squeeze(values[0], axis=None if axes is None else tuple(axes))
+    rank = values[0].ndim + len(axes)  # Unsqueeze: axes of the output
+    return np.expand_dims(values[0], tuple(sorted(axis % rank for axis in axes)))
 
 
 def constant_values(model):

@@ -301,6 +301,17 @@ def _scaled_without_gradient(h):
     return h / scale
 
 
+def _euclidean_distances(h):
+    """torch's export of cdist (compute_mode 'use_mm_for_euclid_dist') in torch ops: two
+    concatenations of ones of one shape (ONNX Runtime's optimizer makes them one tensor, whose
+    gradient ORTModule's builder then defines twice)."""
+    x1, x2 = h, h * 2 + 1
+    norms1, norms2 = x1.pow(2).sum(-1, keepdim=True), x2.pow(2).sum(-1, keepdim=True)
+    a = torch.cat([x1 * -2, norms1, torch.ones_like(norms1)], -1)
+    b = torch.cat([x2, torch.ones_like(norms2), norms2], -1)
+    return (a @ b.T).clamp_min(1e-30).sqrt()[:, :4]
+
+
 class Function(nn.Module):
     """A linear layer, then a function ONNX cannot export or ONNX Runtime cannot differentiate."""
 
@@ -341,7 +352,6 @@ class Function(nn.Module):
         "l2 norms of rows": lambda h: (h.T / torch.linalg.vector_norm(h, 2, 1)).T,
         "xlogy of a constant": lambda h: torch.xlogy(torch.full((4,), 2.0), h.abs() + 1),
         "xlogy of a detached value": lambda h: torch.xlogy(h.detach().abs() + 1, h.abs() + 1),
-        # two Concats read one ones tensor: ORT's builder defined its gradient twice
         "cdist": lambda h: torch.cdist(h, h * 2 + 1, compute_mode="use_mm_for_euclid_dist")[:, :4],
         "mode": lambda h: torch.mode(torch.round(h * 2), 1, keepdim=True).values + h * torch.mode(
             torch.round(h * 2), 0).values,
@@ -362,6 +372,13 @@ class Function(nn.Module):
             h.shape[0], -1)[:, 2:6] * h,
         "channel_shuffle": lambda h: torch.channel_shuffle(h.reshape(-1, 4, 1), 2).reshape(-1, 4) * h,
         "rms_norm": lambda h: F.rms_norm(h, (4,), torch.linspace(0.5, 1.5, 4)) + F.rms_norm(h * h, (4,), eps=0.1),
+        # the export's gradient at a zero distance (each row and itself) was NaN: the weights became NaN
+        "cdist of itself": lambda h: torch.cdist(h, h)[:, :4] * h + torch.cdist(h, h, p=1.0)[:, 2:],
+        "trace diag": lambda h: torch.trace(h[:4]) * h + torch.diag(h[:4]) + torch.diag(h[0], -1)[1:, :4].sum(0),
+        "kron pdist": lambda h: torch.kron(h[:, :2], h[:1, 2:]) + torch.pdist(h)[:4] * h,
+        "nearest-exact": lambda h: F.interpolate(h.unsqueeze(1), scale_factor=1.5, mode="nearest-exact")[:, 0, 1:5]
+        + F.interpolate(h.reshape(-1, 1, 2, 2), size=(3, 3), mode="nearest-exact").reshape(h.shape[0], -1)[:, :4],
+        "ones concatenated twice": _euclidean_distances,
     }
 
     def __init__(self, name):
@@ -418,7 +435,8 @@ def test_ortrainer_trains_in_step_with_torch(case):
                                   "function pow base and exponent", "function pow of a constant",
                                   "function prod of all", "function l2 norm of all",
                                   "function xlogy of a detached value", "function mode", "function exp2 sinc erfc",
-                                  "function nansum nanmean", "function reflect padding"])
+                                  "function nansum nanmean", "function reflect padding", "function cdist of itself",
+                                  "function trace diag", "function kron pdist", "function nearest-exact"])
 def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
     make, shape = CASES[case]
@@ -429,13 +447,13 @@ def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
 
 def test_ortmodule_names_the_concatenation_its_builder_cannot_differentiate(monkeypatch):
     """ORTModule's builder optimizes inside (where ORTTrainer fixes the graph after ONNX Runtime's
-    optimizer): torch.cdist's two concatenations of one ones tensor fail there, by name; under the
-    default fallback policy that call runs in PyTorch, with a warning, and trains as torch."""
-    make, shape = CASES["function cdist"]
+    optimizer): two concatenations of one ones tensor fail there, by name; under the default fallback
+    policy that call runs in PyTorch, with a warning, and trains as torch."""
+    make, shape = CASES["function ones concatenated twice"]
     model, batches = make(), _batches(shape)
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
     with pytest.raises(NotImplementedError, match=(
-            r"ONNX Runtime's gradient builder defined the gradient of '/model/ConstantOfShape\w*' twice: a tensor "
+            r"ONNX Runtime's gradient builder defined the gradient of '/model/Constant\w*' twice: a tensor "
             r"that needs no gradient is concatenated \(torch.cat\) twice")):
         ORTModule(copy.deepcopy(model))(batches[0][0])
     monkeypatch.delenv("ORTMODULE_FALLBACK_POLICY")

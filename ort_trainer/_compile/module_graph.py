@@ -23,7 +23,7 @@ from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
                                     outputs_reaching, outputs_read_by_backward)
-from .._graph.torch_nodes import declare_torch_node_outputs
+from .._graph.torch_node_shapes import declare_torch_node_outputs
 from .._graph.training_graphs import draws_random_numbers
 from .._runtime.module_runner import ModuleRunner
 

@@ -59,6 +59,11 @@ FUNCTIONS = {
     "bitwise_or": (symbolic_opset9.bitwise_or, 9, 2, "bitwise_or"),  # torch exports bool only
     "multinomial": (symbolic_opset9.multinomial, 9, 1, "multinomial"),
     **{name: (None, 9, 1, name) for name in ("cummax", "cummin", "median", "kthvalue", "mode")},  # (values, indices)
+    **{name: (None, 9, 1, name) for name in ("trace", "diag", "pdist")},
+    "kron": (None, 9, 2, "kron"),
+    **{f"_upsample_nearest_exact{dims}d": (None, 9, 1, f"ops.aten._upsample_nearest_exact{dims}d")
+       for dims in (1, 2, 3)},
+    "cdist": (symbolic_opset9.cdist, 9, 2, "ops.aten.cdist"),  # in training: torch's zero gradient at distance 0
     "__or_": (getattr(symbolic_opset9, "__or_"), 9, 2, "bitwise_or"),  # `a | b` (the registry drops a "_")
 }
 
@@ -121,8 +126,13 @@ def _scalar_type_name(value):
 
 
 # Ops a training export always runs in torch: multinomial draws from torch's generator (ONNX's
-# Multinomial from ONNX Runtime's), so that `torch.manual_seed` reproduces the eager draws.
-_TORCH_IN_TRAINING = frozenset({"multinomial"})
+# Multinomial from ONNX Runtime's), so that `torch.manual_seed` reproduces the eager draws; cdist's
+# export takes a square root of squared distances, whose gradient at a zero distance (a point and
+# itself) is NaN where torch's is zero.
+_TORCH_IN_TRAINING = frozenset({"multinomial", "cdist"})
+
+# The output's rank from the first input's, where it differs from the inputs' largest rank.
+_OUTPUT_RANKS = {"trace": lambda rank: 0, "pdist": lambda rank: 1, "diag": lambda rank: 3 - rank}
 
 
 def _function(name, default, tensors, function):
@@ -160,6 +170,9 @@ def _function(name, default, tensors, function):
                                          "default generator (torch.manual_seed)", inputs[0])
             params["args"] = [_constant_value(value, name) for value in constants[:2]]
             params["output_type"] = onnx.TensorProto.INT64
+        elif name.startswith("_upsample_nearest_exact"):  # (output_size, scale_factors), either None
+            params["args"] = [None if symbolic_helper._is_none(value) else symbolic_helper._maybe_get_const(value, kind)
+                              for value, kind in zip(constants, ("is", "fs"))]
         else:
             if name in _LOSS_WEIGHTS and not symbolic_helper._is_none(constants[_LOSS_WEIGHTS[name]]):
                 raise SymbolicValueError(f"torch's {name} with a weight cannot be trained in ONNX Runtime: multiply "
@@ -175,6 +188,8 @@ def _function(name, default, tensors, function):
             return _values_and_indices(g, inputs[0], rank, params)
         if name == "median":  # of all the values: a 0-d value only
             rank = 0
+        elif name in _OUTPUT_RANKS and rank is not None:
+            rank = _OUTPUT_RANKS[name](rank)
         elif name in ("nansum", "nanmean") and rank is not None and not params["args"][1]:  # dims reduced away
             rank = 0 if params["args"][0] is None else rank - len(params["args"][0])
         output = _torch_node(g, FUNCTION, inputs, rank=rank, **params)

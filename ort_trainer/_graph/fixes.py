@@ -277,8 +277,8 @@ def reductions_keeping_dims(model):
 def concat_inputs_read_once(model):
     """Each further read of a tensor by a Concat (another Concat, or the same one again) goes through
     an Identity of its own (in place). ORT's Concat gradient names a gradient `<input>_grad` for every
-    input, needed or not, so a tensor that needs none (a data input, torch.ones_like's
-    ConstantOfShape, as in torch.cdist) read twice got that name defined twice and the builder
+    input, needed or not, so a tensor that needs none (a data input, ones of one shape that
+    ONNX Runtime's optimizer merged) read twice got that name defined twice and the builder
     failed."""
     seen, nodes = set(), []
     for node in model.graph.node:

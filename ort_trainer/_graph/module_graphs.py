@@ -97,8 +97,8 @@ def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trai
         if duplicate is not None:
             raise NotImplementedError(
                 f"ONNX Runtime's gradient builder defined the gradient of {duplicate.group(1)!r} twice: a tensor that "
-                "needs no gradient is concatenated (torch.cat) twice, which its optimizer made of equal values (as in "
-                "torch.cdist). ORTTrainer builds such graphs; with ORTModule concatenate it once, or let this call "
+                "needs no gradient is concatenated (torch.cat) twice, which its optimizer made of equal values (ones "
+                "of one shape, say). ORTTrainer builds such graphs; with ORTModule concatenate it once, or let this call "
                 "run in PyTorch (the default fallback policy)") from error
         missing = missing_gradient(str(error), exported, trainable, outputs)
         if missing is None:

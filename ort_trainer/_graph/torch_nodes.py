@@ -19,9 +19,9 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import inferred_tensors, node_attributes, onnx_opset, torch_node, torch_node_params
+from .._onnx import node_attributes, onnx_opset, torch_node, torch_node_params
+from .torch_node_shapes import EINSUM, declare_torch_node_outputs
 
-EINSUM = TORCH_OP_PREFIX + "einsum"
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
 CONV_TRANSPOSE_GRAD = TORCH_OP_PREFIX + "conv_transpose_grad"
 EINSUM_GRAD = TORCH_OP_PREFIX + "einsum_grad"
@@ -45,108 +45,6 @@ _RESIZE_MODES = {
     ("cubic", "pytorch_half_pixel", None): ({4: "bicubic"}, False),
     ("cubic", "align_corners", None): ({4: "bicubic"}, True),
 }
-
-
-def _einsum_shape(shapes, params):
-    terms, result = params["equation"].split("->")
-    sizes, ellipsis = {}, ()
-    for term, shape in zip(terms.split(","), shapes):
-        head, _, tail = term.partition("...")
-        if "..." in term:
-            dims = shape[len(head):len(shape) - len(tail)]
-            padded = (1,) * (len(dims) - len(ellipsis)) + tuple(ellipsis)
-            dims = (1,) * (len(padded) - len(dims)) + tuple(dims)
-            ellipsis = tuple(max(a, b) for a, b in zip(padded, dims))
-            tail_dims = shape[len(shape) - len(tail):] if tail else []
-        else:
-            tail_dims = []
-        for label, size in [*zip(head, shape), *zip(tail, tail_dims)]:
-            sizes[label] = size
-    head, _, tail = result.partition("...")
-    return [sizes[label] for label in head] + (list(ellipsis) if "..." in result else []) + [sizes[c] for c in tail]
-
-
-def _adaptive_avg_pool_shape(shapes, params):
-    size = params["output_size"]
-    return list(shapes[0][:len(shapes[0]) - len(size)]) + list(size)
-
-
-# Functions whose last two args are (dims: an int, a list or None for all, keepdim); with no args
-# they reduce every dim.
-_REDUCING = frozenset({"median", "kthvalue", "mode", "prod", "nansum", "nanmean", "linalg.vector_norm"})
-
-
-def _function_shape(shapes, params):
-    """Elementwise (the inputs broadcast) or cumulative: the broadcast shape; a reduction drops or
-    keeps (as 1) its dims; a determinant drops the last two dims; pixel_shuffle moves channels into
-    the spatial dims."""
-    rank = max(len(shape) for shape in shapes)
-    padded = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]
-    broadcast = [max(dims) if 1 in dims else dims[0] for dims in zip(*padded)]
-    function, args = params["function"], params["args"]
-    if "shape" in params:  # a loss: reduced, one per row, or elementwise
-        return {"scalar": [], "rows": broadcast[:1]}.get(params["shape"], broadcast)
-    if function in _REDUCING:
-        dims, keepdim = args[-2:] if args else (None, False)
-        reduced = set(range(rank)) if dims is None else {d % rank for d in ([dims] if isinstance(dims, int) else dims)}
-        return [1 if k in reduced else size for k, size in enumerate(broadcast) if keepdim or k not in reduced]
-    if function == "multinomial":  # [..., classes] -> [..., num_samples]
-        return broadcast[:-1] + [args[0]]
-    if function == "nn.functional.pad":  # (pads of the last dim first, mode)
-        pads = args[0]
-        return [size + sum(pads[2 * k:2 * k + 2]) if 2 * k < len(pads) else size
-                for k, size in ((rank - 1 - axis, size) for axis, size in enumerate(broadcast))]
-    if function == "pixel_shuffle":  # [..., C r^2, H, W] -> [..., C, H r, W r]
-        r = args[0]
-        return broadcast[:-3] + [broadcast[-3] // (r * r), broadcast[-2] * r, broadcast[-1] * r]
-    return broadcast[:-2] if function == "linalg.det" else broadcast
-
-
-#: forward operator -> output shape(input shapes, params)
-_SHAPES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shape, FUNCTION: _function_shape,
-           DETACH: lambda shapes, params: list(shapes[0])}
-
-
-def declare_torch_node_outputs(model):
-    """States the type and shape of the forward torch nodes' outputs (in place): ONNX and ONNX
-    Runtime infer none for an ATen node, and without them nothing after it has a shape (an export
-    re-derived at new shapes has lost its value_info). Shapes from the inputs' inferred ones; the
-    type alone where those are unknown: input 0's, or the node's `output_type` parameter."""
-    nodes = [node for node in model.graph.node if node.domain == DOMAIN]
-    for _ in range(len(nodes)):  # a torch node's shape may need an earlier one's
-        tensors, declared = inferred_tensors(model), False
-        for node in nodes:
-            element_type, known = tensors.get(node.output[0], (0, None))
-            if element_type and known is not None and all(isinstance(d, int) for d in known):
-                continue
-            attributes = node_attributes(node)
-            params = json.loads(attributes["overload_name"].decode() or "{}")
-            shape_of = _SHAPES.get(attributes["operator"].decode())
-            inputs = [tensors.get(name, (0, None)) for name in node.input]
-            shape = None
-            if shape_of is not None and all(dims is not None and all(isinstance(d, int) for d in dims)
-                                            for _, dims in inputs):
-                shape = shape_of([dims for _, dims in inputs], params)
-            if element_type and shape is None:
-                continue  # typed already, and no shape to add
-            element_type = params.get("output_type") or inputs[0][0] or onnx.TensorProto.FLOAT
-            set_value_info(model, node.output[0], element_type, shape)
-            for indices in node.output[1:]:  # (values, indices) functions: int64, the values' shape
-                set_value_info(model, indices, onnx.TensorProto.INT64, shape)
-            declared = True
-        if not declared:
-            return
-
-
-def set_value_info(model, name, element_type, shape):
-    """The type of value `name`: in its graph output when it is one, else in value_info."""
-    info = onnx.helper.make_tensor_value_info(name, element_type, shape)
-    for values in (model.graph.output, model.graph.value_info):
-        for k, value in enumerate(values):
-            if value.name == name:
-                values[k].CopyFrom(info)
-                return
-    model.graph.value_info.append(info)
 
 
 # ONNX ops ONNX Runtime 1.19 cannot differentiate -> the torch function of the same math.

@@ -15,8 +15,8 @@ transposes) are left to the caller's rounding emulation.
 import onnx
 
 from .._onnx import inferred_tensors, node_attributes, torch_node
-from .torch_nodes import (PRODUCT, needing_gradient, reached_first, register_torch_node_gradients, replace_nodes,
-                          set_value_info)
+from .torch_node_shapes import set_value_info
+from .torch_nodes import PRODUCT, needing_gradient, reached_first, register_torch_node_gradients, replace_nodes
 
 
 def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):

@@ -12,7 +12,7 @@ from .cpu_kernels import kernel_substitutions
 from .fixes import (builder_fixes_after_optimization, disable_training_mode, padding_rows_without_gradient,
                     prepare_for_gradient, weights_as_inputs)
 from .missing_gradient import missing_gradient
-from .torch_nodes import declare_torch_node_outputs
+from .torch_node_shapes import declare_torch_node_outputs
 
 LOSS_SCALE_INPUT = "__loss_scale"
 # Ops that draw from ONNX Runtime's default generator (ORT's fused forms of Dropout included).
