@@ -16,6 +16,10 @@ process CPU ms/step, and each engine's speedup over eager (eager ms / engine ms,
   as Hugging Face models carry their loss): the loss runs in the graph too.
 * ortrainer: ``ORTTrainer.train_step(src, targets)``: forward, loss, backward in one ONNX Runtime
   graph, clip and Adam over the flat buffers (benchmarks/train_step.py).
+
+The fp32 products torch computes faster on this machine run in torch (`_runtime.product_speed`;
+its measurements are in the JSON); ``--compare-products`` adds ortmodule and ortrainer with every
+product in ONNX Runtime (``*_ort_products``), interleaved with the others in the same process.
 """
 from __future__ import annotations
 
@@ -34,8 +38,7 @@ import torch  # noqa: E402
 
 from benchmarks.train_step import (ORTEngine, TorchEngine, add_seed_step_arguments, environment,  # noqa: E402
                                    make_batches)
-
-ENGINES = ("eager", "ortmodule", "ortmodule_loss", "ortrainer")
+from ort_trainer._runtime import product_speed  # noqa: E402
 
 
 class ORTModuleEngine(TorchEngine):
@@ -68,10 +71,25 @@ class ORTModuleLossEngine(TorchEngine):
         return self.model(data, targets)
 
 
+def _with_ort_products(ntokens, args, batch):
+    """ortmodule and ortrainer whose graphs keep every matrix product in ONNX Runtime, and their
+    first step's losses (the graphs are built then)."""
+    measured = product_speed.torch_product_faster
+    product_speed.torch_product_faster = lambda form, threads: False
+    try:
+        engines = {"ortmodule_ort_products": ORTModuleEngine(ntokens, args),
+                   "ortrainer_ort_products": ORTEngine(ntokens, args)}
+        return engines, {name: engine.train_step(*batch) for name, engine in engines.items()}
+    finally:
+        product_speed.torch_product_faster = measured
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_seed_step_arguments(p)
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--compare-products", action="store_true",
+                   help="also ortmodule and ortrainer with every matrix product in ONNX Runtime's kernels")
     args = p.parse_args(argv)
     args.data, args.fetch = None, "all"  # what benchmarks/train_step.py's engines and batches read
     return args
@@ -92,11 +110,16 @@ def main(argv=None):
     engines = {"eager": TorchEngine(ntokens, args), "ortmodule": ORTModuleEngine(ntokens, args),
                "ortmodule_loss": ORTModuleLossEngine(ntokens, args), "ortrainer": ORTEngine(ntokens, args)}
     first_loss = {name: engine.train_step(*batches[0]) for name, engine in engines.items()}
+    if args.compare_products:
+        ort_products, first_losses = _with_ort_products(ntokens, args, batches[0])
+        engines.update(ort_products)
+        first_loss.update(first_losses)
+    names = tuple(engines)
     for engine in engines.values():
         run_steps(engine, batches, args.warmup, 1)
-    per_round = {name: [] for name in ENGINES}
+    per_round = {name: [] for name in names}
     for r in range(args.rounds):
-        order = ENGINES[r % len(ENGINES):] + ENGINES[:r % len(ENGINES)]
+        order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             per_round[name].append(run_steps(engines[name], batches, args.steps, r * args.steps))
     wall = {name: [w for w, _ in rounds] for name, rounds in per_round.items()}
@@ -107,14 +130,17 @@ def main(argv=None):
     result = {"environment": environment(args),
               "config": {"ntokens": ntokens, "bptt": args.bptt, "batch": args.batch, "threads": args.threads,
                          "mixed_precision": args.mixed_precision, "dropout": args.dropout, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup},
+              "compare_products": args.compare_products,
+              "torch_products": {str(form): {"mlas_ms": mlas, "torch_ms": torch_ms}
+                                 for form, (mlas, torch_ms) in product_speed.measured_products().items()},
               "first_step_loss": first_loss, "median_ms": median, "min_ms": minimum, "cpu_median_ms": cpu_median,
               "per_round_ms": wall,
-              "speedup_over_eager": {name: median["eager"] / median[name] for name in ENGINES},
-              "speedup_min_over_eager": {name: minimum["eager"] / minimum[name] for name in ENGINES}}
+              "speedup_over_eager": {name: median["eager"] / median[name] for name in names},
+              "speedup_min_over_eager": {name: minimum["eager"] / minimum[name] for name in names}}
     print(f"vocab {ntokens} | bptt {args.bptt} x batch {args.batch} | threads {args.threads} | "
           f"{args.rounds} rounds x {args.steps} steps | {result['environment']['cpu']}")
     print(f"{'train step':15s} {'median ms':>10s} {'min ms':>10s} {'CPU ms':>10s} {'vs eager':>9s}")
-    for name in ENGINES:
+    for name in names:
         print(f"{name:15s} {median[name]:10.1f} {minimum[name]:10.1f} {cpu_median[name]:10.1f} "
               f"{result['speedup_over_eager'][name]:8.2f}x")
     if args.json:

@@ -73,15 +73,18 @@ def int64_constant(name, value):
 
 def inferred_tensors(model):
     """{tensor name: (element type, dims)} by ONNX shape inference; a dim is its size, its symbolic
-    name, or None when unknown. Small integer tensors computed from constants alone (torch's export
-    writes a Slice's bounds as Unsqueezes of Constants) are given to the inference as Constants:
-    it reads a Slice's bounds from constants only, and would leave the dims of `x[:4]` unknown."""
-    folded = _index_constants_folded(model.graph.node)
-    if folded is None:
+    name, or None when unknown. The inference runs on a stand-in of the graph (`_inference_nodes`)
+    where what it cannot see through is made plain: small integer tensors computed from constants
+    alone are Constants (torch's export writes a Slice's bounds as Unsqueezes of Constants, and the
+    inference reads a Slice's bounds from constants only: `x[:4]` had unknown dims), and ONNX
+    Runtime's own ops that keep their input's shape (LayerNormalization before opset 17, FastGelu)
+    are Identities: past them, every shape was unknown."""
+    stand_in = _inference_nodes(model.graph.node, onnx_opset(model))
+    if stand_in is None:
         graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
     else:
         original = list(model.graph.node)
-        _replace_nodes(model.graph, folded)
+        _replace_nodes(model.graph, stand_in)
         try:
             graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
         finally:
@@ -102,12 +105,19 @@ def _replace_nodes(graph, nodes):
 
 _INDEX_OPS = frozenset({"Unsqueeze", "Squeeze", "Concat", "Cast", "Identity"})
 _MAX_INDEX_ELEMENTS = 64
+# ONNX Runtime's ops whose output 0 has input 0's shape, unknown to ONNX's inference
+_SHAPE_KEEPING = frozenset({("com.microsoft", name) for name in (
+    "LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization", "FastGelu", "Gelu", "BiasGelu",
+    "QuickGelu", "Scale", "BiasDropout", "BitmaskDropout")} | {("", "SimplifiedLayerNormalization")})
 
 
-def _index_constants_folded(nodes):
-    """`nodes` with each index op (`_INDEX_OPS`) whose inputs are all small integer constants
-    replaced by a Constant of its value; None when there is none."""
-    known, folded, changed = {}, [], False
+def _inference_nodes(nodes, opset):
+    """`nodes` as ONNX's shape inference should see them (`inferred_tensors`); None when they
+    need no change. An index op whose inputs are all small integer constants becomes a Constant
+    of its value; a shape-keeping ONNX Runtime op, an Identity of its input 0 (its other outputs
+    are left out: only its gradient reads them, whose types the gradient builder states)."""
+    shape_keeping = _SHAPE_KEEPING | ({("", "LayerNormalization")} if opset < 17 else set())
+    known, stand_in, changed = {}, [], False
     for node in nodes:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             if node.attribute and node.attribute[0].name == "value":
@@ -122,8 +132,11 @@ def _index_constants_folded(nodes):
                 node = onnx.helper.make_node("Constant", [], [node.output[0]], name=node.name,
                                              value=onnx.numpy_helper.from_array(value, node.output[0]))
                 changed = True
-        folded.append(node)
-    return folded if changed else None
+        elif (node.domain or "", node.op_type) in shape_keeping:
+            node = onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)
+            changed = True
+        stand_in.append(node)
+    return stand_in if changed else None
 
 
 def _index_op(node, values):

@@ -60,3 +60,16 @@ def test_cpu_products_benchmark_runs():
     header, *rows = done.stdout.strip().splitlines()
     assert set(json.loads(header)) == {"cpu", "flags", "threads", "torch", "onnxruntime"}
     assert len(rows) == 6 and all("MLAS fp32" in row and "torch bf16" in row for row in rows)
+
+
+def test_ortmodule_benchmark_compares_the_products_in_torch_with_onnx_runtimes(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/ortmodule_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
+         "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", "--compare-products", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["median_ms"]) == {"eager", "ortmodule", "ortmodule_loss", "ortrainer", "ortmodule_ort_products",
+                                        "ortrainer_ort_products"}
+    assert result["torch_products"] == {}  # products this small are not measured

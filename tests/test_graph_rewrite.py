@@ -282,7 +282,7 @@ def test_gpt2_trains_like_torch_with_the_rewritten_gelu_gradient(monkeypatch):
     trainer = ORTTrainer(model, {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
                                  "outputs": [("loss", [], True)]}, optim.SGDConfig(lr=0.1),
                          options={"utils": {"grad_norm_clip": False}})
-    monkeypatch.setattr(training_graphs, "kernel_substitutions", lambda device_type: lambda training, evaluation: (
+    monkeypatch.setattr(training_graphs, "kernel_substitutions", lambda device_type: lambda training, evaluation, **_: (
         rewritten.append((substitute_cpu_kernels(training, evaluation), op_types(training)))))
     sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(0)

@@ -86,7 +86,8 @@ class ModuleGraph:
         self.batch_statistics.describe(model_proto)
         substitute = kernel_substitutions(sessions.placement.ort_device)
         if substitute is not None:
-            substitute(model_proto, model_proto)  # each rewrite finds its nodes in either kind
+            # each rewrite finds its nodes in either kind
+            substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
         graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
         if needs_grad:
             self._reaching = outputs_reaching(model_proto, graph_outputs, outputs)

@@ -117,7 +117,8 @@ class StepCompiler:
             exported, flat.names, [*frozen, *running], outputs, self._desc.output_names[self._desc.loss_index],
             device_type=self._sessions.placement.ort_device, loss_scaling=settings.loss_scaling,
             compute_dtype=settings.compute_dtype,
-            recompute=settings.recompute, shape_inference=settings.shape_inference, batch_statistics=statistics)
+            recompute=settings.recompute, shape_inference=settings.shape_inference, batch_statistics=statistics,
+            faster_in_torch=self._sessions.faster_in_torch)
         save_graphs(paths, training=training, evaluation=evaluation, session_options=self._sessions.session_options(),
                     providers=self._sessions.providers)
         present = [name for name, value in values.items() if value is not None]

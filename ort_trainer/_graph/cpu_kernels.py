@@ -3,7 +3,7 @@
 ORT's CPU kernels of the softmax cross-entropy (and its gradient) and of the embedding gradient
 are single-threaded; these rewrites give the same math with threaded kernels (BENCHMARKS.md).
 Gradients the CPU provider has no kernel for (ResizeGrad, ConvTransposeGrad) run torch's backward
-(`_graph.torch_nodes`).
+(`_graph.torch_nodes`); fp32 products torch's kernels compute faster run in torch (`_graph.cpu_products`).
 The CUDA provider keeps ORT's own kernels: fewer launches, and its GatherGrad is deterministic
 where GatherNDGrad adds with atomics.
 """
@@ -13,6 +13,7 @@ import re
 import onnx
 
 from .._onnx import int64_constant, node_attributes, onnx_opset
+from .cpu_products import matrix_products_in_torch
 from .torch_nodes import substitute_torch_kernels
 
 
@@ -22,13 +23,17 @@ def kernel_substitutions(device_type):
     return substitute_cpu_kernels if device_type == "cpu" else None
 
 
-def substitute_cpu_kernels(training, evaluation):
-    """Rewrites the built training and eval graphs (ModelProtos) in place."""
+def substitute_cpu_kernels(training, evaluation, *, faster_in_torch=None):
+    """Rewrites the built training and eval graphs (ModelProtos) in place. `faster_in_torch`: the
+    decision of which fp32 products run in torch (`_graph.cpu_products`); None: none does."""
     fast_softmax_cross_entropy(training)
     fast_gather_grad(training)
     fast_gelu_grad(training)
     substitute_torch_kernels(training)
     fast_softmax_cross_entropy(evaluation)
+    if faster_in_torch is not None:
+        for model in {id(training): training, id(evaluation): evaluation}.values():
+            matrix_products_in_torch(model, faster_in_torch)
 
 
 # Marks the GatherElements that picks each row's target: its name carries what the error needs.

@@ -94,7 +94,8 @@ def symbolic_shapes(model):
 
 
 def build_graphs(model, trainable, read_only, output_names, loss_name, *, device_type=None, loss_scaling=False,
-                 compute_dtype=None, recompute=None, shape_inference=False, batch_statistics=None):
+                 compute_dtype=None, recompute=None, shape_inference=False, batch_statistics=None,
+                 faster_in_torch=None):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is
@@ -110,7 +111,8 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     `_graph.recompute.Recompute` (the recompute options), or None. `shape_inference`: run
     `symbolic_shapes` on the forward first. `batch_statistics`: a `_graph.batch_norm.BatchStatistics`,
     or None: its rewrite of the training-mode BatchNorms of the training graph, whose statistics
-    outputs follow `output_names`.
+    outputs follow `output_names`. `faster_in_torch`: which fp32 products run in torch's kernels
+    (`_graph.cpu_products`; CPU graphs), or None.
     """
     weights_as_inputs(model, [*trainable, *read_only])  # first: no copy below holds weights
     declare_torch_node_outputs(model)
@@ -132,7 +134,7 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     training = _gradient_graph(model, trainable, loss_name, quiet_session_options(), recompute=recompute, lower=lower)
     substitute = kernel_substitutions(device_type)
     if substitute is not None:
-        substitute(training, eval_model)
+        substitute(training, eval_model, faster_in_torch=faster_in_torch)
     statistics = list(batch_statistics.outputs) if batch_statistics is not None else []
     _set_outputs(training, list(output_names) + statistics + [f"{name}_grad" for name in trainable])
     _set_outputs(eval_model, output_names)

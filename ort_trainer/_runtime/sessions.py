@@ -2,12 +2,16 @@
 placement's stream, without ONNX Runtime's end-of-run sync), the session and run options as
 `RuntimeSettings` say, the device's memory policy, the provider check, the memory released around
 a session's first run, and ONNX Runtime's generator seeded from torch's."""
+import functools
+
+import onnx
 import onnxruntime
 import torch
 from onnxruntime.capi import _pybind_state as C
 
 from .._configuration.validation import CPU_PROVIDER, CUDA_PROVIDER
 from .._onnx import TORCH_NODE_DOMAIN, quiet_session_options
+from . import product_speed
 from .cuda import require_cuda_provider
 from .memory import memory_policy
 from .session_config import provider_options_from, session_options_from
@@ -35,6 +39,7 @@ class Sessions:
         self.run_options = _run_options(**config)
         self.quiet_run_options = _run_options(log_severity_level=4, **config)
         self.memory = memory_policy(placement.torch_device, settings.mem_limit, self.providers)
+        self.faster_in_torch = _products_faster_in_torch(placement, settings)
 
     def session_options(self):
         """A new SessionOptions of these settings (the user's own object when they gave one)."""
@@ -57,7 +62,7 @@ class Sessions:
         options = self.session_options()
         if optimized_model_path is not None:
             options.optimized_model_filepath = optimized_model_path
-        if TORCH_NODE_DOMAIN.encode() in model:  # the graph runs torch kernels (`_runtime.torch_ops`)
+        if _runs_torch_nodes(model):  # the graph runs torch kernels (`_runtime.torch_ops`)
             if options.execution_mode == onnxruntime.ExecutionMode.ORT_PARALLEL:
                 raise ValueError("Invalid options: session_options.execution_mode=ORT_PARALLEL cannot run this graph: "
                                  "it runs torch kernels inside ONNX Runtime, which would wait on the Python lock "
@@ -113,3 +118,23 @@ def _run_options(log_severity_level=None, **config):
     for key, value in config.items():
         options.add_run_config_entry(key, value)
     return options
+
+
+def _products_faster_in_torch(placement, settings):
+    """Which fp32 products of this placement's graphs run in torch (`_graph.cpu_products`): on the
+    CPU, those torch computes faster here (`product_speed`, at the sessions' thread count). None on
+    CUDA, under deterministic compute (a close measurement could decide differently next run) and
+    under the user's ORT_PARALLEL execution (it cannot run torch nodes)."""
+    user = settings.session_options
+    if placement.stream is not None or settings.deterministic or (user is not None and (
+            user.use_deterministic_compute or user.execution_mode == onnxruntime.ExecutionMode.ORT_PARALLEL)):
+        return None
+    threads = (user.intra_op_num_threads if user is not None else 0) or settings.threads
+    return functools.partial(product_speed.torch_product_faster, threads=threads)
+
+
+def _runs_torch_nodes(model):
+    """Whether the serialized `model` has a torch node. Their domain is imported by graphs with none
+    (the exporter imports it): its name in the bytes alone refused ORT_PARALLEL for every graph."""
+    return (TORCH_NODE_DOMAIN.encode() in model
+            and any(node.domain == TORCH_NODE_DOMAIN for node in onnx.load_from_string(model).graph.node))

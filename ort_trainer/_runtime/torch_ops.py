@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
+from .._graph.cpu_products import MATRIX_PRODUCT
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM,
                                   EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD)
-from .torch_products import convolution_args, in_operand_order, product, product_gradient
+from .torch_products import convolution_args, in_operand_order, matrix_product, product, product_gradient
 
 
 class TorchOpError(RuntimeError):
@@ -129,7 +130,7 @@ IMPLEMENTATIONS = {
     ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradient(_adaptive_avg_pool),
     FUNCTION: _function, FUNCTION_GRAD: _input_gradient(_function),
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
-    PRODUCT: product, PRODUCT_GRAD: product_gradient,
+    PRODUCT: product, PRODUCT_GRAD: product_gradient, MATRIX_PRODUCT: matrix_product,
 }
 
 

@@ -1,5 +1,6 @@
 """The kernels of the bf16 product torch nodes (`_graph.torch_products`): fp32 in, bf16 compute
-(torch's kernels accumulate in fp32), fp32 out, as torch.autocast's bf16 ops and their autograd.
+(torch's kernels accumulate in fp32), fp32 out, as torch.autocast's bf16 ops and their autograd;
+and of the fp32 products moved to torch where its kernel is faster (`matrix_product`).
 
 Each gradient node computes one input's gradient from the bf16 output gradient, with no forward
 recomputed: a product's gradient costs one product, as in torch's backward. Batched operands that
@@ -101,3 +102,13 @@ def _convolution_gradient(grad, operands, operand, params):
     bias_sizes = [operands[2].shape[0]] if len(operands) > 2 else None
     return torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, *convolution_args(weight, params),
                                                mask)[operand]
+
+
+def matrix_product(inputs, params):
+    """An fp32 2-D product in ONNX Gemm's terms (`_graph.cpu_products`): alpha op(A) op(B) + beta C,
+    the transposes read as views."""
+    a, b = _transposed(inputs[0], params["trans_a"]), _transposed(inputs[1], params["trans_b"])
+    if len(inputs) > 2:
+        return [torch.addmm(inputs[2], a, b, beta=params["beta"], alpha=params["alpha"])]
+    result = torch.mm(a, b)
+    return [result.mul_(params["alpha"]) if params["alpha"] != 1.0 else result]

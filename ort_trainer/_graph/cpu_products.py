@@ -1,0 +1,97 @@
+"""fp32 matrix products of a built CPU graph that torch's kernels compute faster than ONNX Runtime's
+MLAS, as torch nodes (`matrix_products_in_torch`).
+
+Which library wins depends on the CPU and the shape (BENCHMARKS.md: on an AMD EPYC, the weight
+gradient of the seed model's vocabulary projection, dW = dY^T A, 700 x 28,782 x 200, takes MLAS
+98 ms and torch 74 ms; MLAS wins that product's forward by 2x). So nothing is decided here: each
+2-D product is described in the form ONNX Runtime would run it, after its optimizer folds the
+transposes around it into the product's flags (MatmulTransposeFusion, GemmTransposeFusion), and
+the caller's `faster_in_torch(form)` decides (`_runtime.product_speed` measures both). A product
+that goes to torch keeps that form: torch reads the same operands, transposed as views.
+"""
+from .._export.torch_node_symbolics import TORCH_OP_PREFIX
+from .._onnx import inferred_tensors, node_attributes, torch_node
+from .torch_node_shapes import set_value_info
+from .torch_nodes import replace_nodes
+
+MATRIX_PRODUCT = TORCH_OP_PREFIX + "matrix_product"  # run by `_runtime.torch_products.matrix_product`
+_FLOAT = 1  # onnx.TensorProto.FLOAT
+
+
+def matrix_products_in_torch(model, faster_in_torch):
+    """Rewrites, in place, each 2-D float32 MatMul or Gemm (with the transposes folded into it) for
+    which `faster_in_torch((trans_a, trans_b, m, k, n))` is true into one torch node; returns how
+    many. Products in torch's bf16 nodes, batched products and other types are left as they are."""
+    graph = model.graph
+    tensors, producers, readers = inferred_tensors(model), {}, {}
+    for node in graph.node:
+        for name in node.output:
+            producers[name] = node
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {value.name for value in graph.output}
+    replaced, removed = {}, set()
+    for node in graph.node:
+        product = _product_form(node, tensors, producers, readers, outputs)
+        if product is None or not faster_in_torch(product["form"]):
+            continue
+        trans_a, trans_b, m, _, n = product["form"]
+        params = {"trans_a": trans_a, "trans_b": trans_b, "alpha": product["alpha"], "beta": product["beta"]}
+        output = product["output"]
+        replaced[id(product["last"])] = torch_node(MATRIX_PRODUCT, product["inputs"], [output],
+                                                   name=f"{node.name}/torch_product", params=params)
+        removed.update(id(done) for done in product["consumed"])
+        set_value_info(model, output, _FLOAT, [m, n])
+    if replaced:
+        replace_nodes(model, [replaced.get(id(node), node) for node in graph.node
+                              if id(node) not in removed or id(node) in replaced])
+    return len(replaced)
+
+
+def _product_form(node, tensors, producers, readers, outputs):
+    """What ONNX Runtime would run for `node`, a 2-D float32 product: {"form": (trans_a, trans_b,
+    m, k, n), "inputs": the operands (and Gemm's C), "alpha", "beta", "output": the tensor it
+    writes, "last": the node whose place it takes, "consumed": the nodes it replaces}; else None."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm"):
+        return None
+    attributes = node_attributes(node)
+    if any(tensors.get(name, (0, None))[0] != _FLOAT for name in (*node.input, node.output[0])):
+        return None
+    a, b, *bias = node.input
+    trans_a, trans_b = bool(attributes.get("transA", 0)), bool(attributes.get("transB", 0))
+    consumed = [node]
+    (a, trans_a), (b, trans_b) = (_folded_transpose(name, flag, producers, readers, consumed)
+                                  for name, flag in ((a, trans_a), (b, trans_b)))
+    shapes = [tensors.get(name, (0, None))[1] for name in (a, b)]
+    if any(shape is None or len(shape) != 2 or not all(isinstance(d, int) for d in shape) for shape in shapes):
+        return None
+    output, last = node.output[0], node
+    transposes = readers.get(output, [])
+    if not bias and output not in outputs and len(transposes) == 1 and _transposes_matrix(transposes[0]):
+        # (op(A) op(B))^T = op(B)^T op(A)^T, written where the Transpose wrote
+        (a, trans_a), (b, trans_b) = (b, not trans_b), (a, not trans_a)
+        shapes.reverse()
+        last = transposes[0]
+        output = last.output[0]
+        consumed.append(last)
+    m, k = reversed(shapes[0]) if trans_a else shapes[0]
+    n = shapes[1][0] if trans_b else shapes[1][1]
+    return {"form": (trans_a, trans_b, m, k, n), "inputs": [a, b, *bias], "output": output, "last": last,
+            "consumed": consumed, "alpha": float(attributes.get("alpha", 1.0)),
+            "beta": float(attributes.get("beta", 1.0))}
+
+
+def _transposes_matrix(node):
+    return (node.op_type == "Transpose" and node.domain in ("", "ai.onnx")
+            and list(node_attributes(node).get("perm", [])) == [1, 0])
+
+
+def _folded_transpose(name, flag, producers, readers, consumed):
+    """(operand, flag) with a Transpose that produces the operand folded into the flag, as ONNX
+    Runtime's optimizer folds it; the Transpose is consumed when the product is its only reader."""
+    producer = producers.get(name)
+    if producer is None or not _transposes_matrix(producer):
+        return name, flag
+    if len(readers.get(name, [])) == 1:
+        consumed.append(producer)
+    return producer.input[0], not flag

@@ -1,0 +1,177 @@
+"""fp32 products moved to torch's CPU kernels where they are faster (`_graph.cpu_products`, decided by
+`_runtime.product_speed`): each form computes what ONNX Runtime computed, and a model whose products
+all go to torch trains as the ONNX Runtime graph does."""
+import copy
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+
+from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer._graph.cpu_products import MATRIX_PRODUCT, matrix_products_in_torch
+from ort_trainer._runtime import product_speed
+from ort_trainer._runtime.torch_ops import register_executor
+from ort_trainer.ortmodule import ORTModule
+
+from . import models
+
+
+def _model(nodes, inputs, outputs):
+    graph = helper.make_graph(nodes, "products", [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+                                                  for name, shape in inputs.items()],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+
+
+def _run(model, feeds):
+    register_executor()
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+make = helper.make_node
+# name -> (nodes, input shapes, outputs, the form ONNX Runtime runs: (trans_a, trans_b, m, k, n), op types left)
+FORMS = {
+    "matmul": ([make("MatMul", ["a", "b"], ["y"])], {"a": [5, 3], "b": [3, 4]}, ["y"], (False, False, 5, 3, 4), []),
+    "gemm transposed operands, alpha": (
+        [make("Gemm", ["a", "b"], ["y"], transA=1, transB=1, alpha=0.5)], {"a": [3, 5], "b": [4, 3]}, ["y"],
+        (True, True, 5, 3, 4), []),
+    "gemm with a bias, beta": ([make("Gemm", ["a", "b", "c"], ["y"], beta=2.0, alpha=1.5)],
+                               {"a": [5, 3], "b": [3, 4], "c": [4]}, ["y"], (False, False, 5, 3, 4), []),
+    "transposed weight folded": ([make("Transpose", ["w"], ["wt"], perm=[1, 0]), make("MatMul", ["a", "wt"], ["y"])],
+                                 {"a": [5, 3], "w": [4, 3]}, ["y"], (False, True, 5, 3, 4), []),
+    "transposed weight read twice": (
+        [make("Transpose", ["w"], ["wt"], perm=[1, 0]), make("MatMul", ["a", "wt"], ["y"]),
+         make("Relu", ["wt"], ["r"])], {"a": [5, 3], "w": [4, 3]}, ["y", "r"], (False, True, 5, 3, 4),
+        ["Transpose", "Relu"]),
+    # a weight gradient: dW = (A^T dY)^T computed as dY^T A, where the Transpose wrote it
+    "transposed result": (
+        [make("Gemm", ["a", "dy"], ["dwt"], transA=1), make("Transpose", ["dwt"], ["dw"], perm=[1, 0]),
+         make("Relu", ["dw"], ["y"])], {"a": [3, 5], "dy": [3, 4]}, ["y"], (True, False, 4, 3, 5), ["Relu"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_a_product_in_torch_computes_what_onnx_runtime_did(name):
+    nodes, inputs, outputs, form, left = FORMS[name]
+    model = _model(nodes, inputs, outputs)
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in inputs.items()}
+    expected = _run(model, feeds)
+    seen = []
+    assert matrix_products_in_torch(model, lambda form: seen.append(form) or True) == 1
+    assert seen == [form]
+    assert sorted(node.op_type for node in model.graph.node if node.op_type != "ATen") == sorted(left)
+    assert [node for node in model.graph.node if node.op_type == "ATen"][0].attribute[0].s.decode() == MATRIX_PRODUCT
+    for ours, theirs in zip(_run(model, feeds), expected):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_products_torch_would_not_run_faster_and_batched_ones_stay():
+    nodes = [make("MatMul", ["a", "b"], ["y"]), make("MatMul", ["x", "b"], ["z"])]
+    model = _model(nodes, {"a": [5, 3], "b": [3, 4], "x": [2, 5, 3]}, ["y", "z"])
+    seen = []
+    assert matrix_products_in_torch(model, lambda form: seen.append(form) or False) == 0
+    assert seen == [(False, False, 5, 3, 4)]  # the batched product is not asked about
+    assert [node.op_type for node in model.graph.node] == ["MatMul", "MatMul"]
+
+
+@pytest.fixture
+def every_product_in_torch(monkeypatch):
+    """Every product is decided for torch; the forms asked about are recorded."""
+    asked = []
+    monkeypatch.setattr(product_speed, "torch_product_faster", lambda form, threads: asked.append(form) or True)
+    return asked
+
+
+def _train(make_model, desc, loss_fn, make_batch, options=None, steps=4):
+    trainer = ORTTrainer(make_model(), desc, optim.AdamConfig(lr=1e-2), loss_fn=loss_fn,
+                         options=ORTTrainerOptions(options or {}))
+    losses = [trainer.train_step(*make_batch(step)) for step in range(steps)]
+    losses = [(loss[0] if isinstance(loss, (tuple, list)) else loss).item() for loss in losses]
+    return losses, dict(trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["transformer", "mlp"])
+def test_a_model_with_its_products_in_torch_trains_as_the_onnx_runtime_graph(name, every_product_in_torch,
+                                                                                 monkeypatch):
+    """The seed model (linears on sequences: weight gradients as transposed results) and an MLP
+    (Gemms with a bias): Adam steps within 1e-6 of the graph with ONNX Runtime's products."""
+    case = {"transformer": (models.transformer, models.TRANSFORMER_DESC, models.transformer_loss,
+                            models.transformer_batch),
+            "mlp": (models.mlp, models.MLP_DESC, models.mlp_loss, models.mlp_batch)}[name]
+    losses, weights = _train(*case)
+    assert len(every_product_in_torch) >= 3
+    if name == "transformer":  # the vocabulary projection's weight gradient, after two LayerNormalizations
+        assert (True, False, models.VOCAB, 7 * 4, 32) in every_product_in_torch
+    monkeypatch.setattr(product_speed, "torch_product_faster", lambda form, threads: False)
+    expected_losses, expected_weights = _train(*case)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+    assert losses[-1] < losses[0]
+    for parameter_name, expected in expected_weights.items():
+        torch.testing.assert_close(weights[parameter_name], expected, rtol=1e-5, atol=1e-6)
+
+
+def _session_options(**settings):
+    options = onnxruntime.SessionOptions()
+    for name, value in settings.items():
+        setattr(options, name, value)
+    return options
+
+
+@pytest.mark.parametrize("options", [
+    {"debug": {"deterministic_compute": True}},
+    {"session_options": _session_options(use_deterministic_compute=True)},
+    {"session_options": _session_options(execution_mode=onnxruntime.ExecutionMode.ORT_PARALLEL)},  # no torch node
+], ids=["deterministic_compute", "deterministic session options", "parallel execution"])
+def test_every_product_stays_in_onnx_runtime(options, every_product_in_torch):
+    def make_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 2])], "outputs": [("loss", [], True)]}
+    x, y = torch.randn(5, 6), torch.randn(5, 2)
+    losses, _ = _train(make_model, desc, F.mse_loss, lambda step: (x, y), options=options, steps=2)
+    assert every_product_in_torch == []
+    assert losses[1] < losses[0]
+
+
+def test_ortmodule_with_its_products_in_torch_trains_as_eager(every_product_in_torch):
+    model = models.mlp()
+    eager, wrapped = copy.deepcopy(model), ORTModule(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, wrapped)]
+    for step in range(3):
+        x, target = models.mlp_batch(step)
+        losses = []
+        for module, optimizer in zip((eager, wrapped), optimizers):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(module(x), target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert every_product_in_torch
+
+
+def test_a_product_under_a_gflop_is_not_measured():
+    before = product_speed.measured_products()
+    assert product_speed.torch_product_faster((False, False, 700, 200, 800), threads=2) is False  # 0.22 GFLOP
+    assert product_speed.measured_products() == before
+
+
+def test_a_measured_product_is_decided_by_its_timings():
+    form = (True, False, 1000, 512, 1024)  # 1.05 GFLOP
+    faster = product_speed.torch_product_faster(form, threads=2)
+    mlas_ms, torch_ms = product_speed.measured_products()[form, 2]
+    assert mlas_ms > 0 and torch_ms > 0
+    assert faster == (torch_ms < 0.9 * mlas_ms)
+
+
+def test_a_large_product_is_measured_with_its_largest_dim_scaled_down():
+    trans_a, trans_b, m, k, n = product_speed._scaled((True, False, 50257, 1024, 768))
+    assert (trans_a, trans_b, k, n) == (True, False, 1024, 768)
+    assert 2 * m * k * n == pytest.approx(product_speed._MEASURED_FLOPS, rel=1e-3)
+    assert product_speed._scaled((False, False, 700, 200, 8000)) == (False, False, 700, 200, 8000)  # 2.2 GFLOP
