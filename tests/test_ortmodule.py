@@ -240,6 +240,27 @@ def test_inputs_and_parameters_without_a_differentiable_path_get_no_gradient(cap
     assert _relative(wrapped.linear.weight.grad, model.linear.weight.grad) <= 1e-6
 
 
+class Suffixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
+
+    def forward(self, x, mode):
+        return x * self.scale + (1 if mode == "shift" else -1)
+
+
+def test_a_string_argument_is_a_constant_of_the_graph_and_says_so(caplog):
+    wrapped = ORTModule(Suffixed(), DebugOptions(log_level=LogLevel.INFO))
+    x = torch.randn(3, 2)
+    with caplog.at_level("INFO", logger="ort_trainer.ortmodule"):
+        torch.testing.assert_close(wrapped(x, "shift"), x + 1)
+        torch.testing.assert_close(wrapped(x, "other"), x - 1)  # another value: another graph
+    lines = [record.getMessage() for record in caplog.records if "treated as a constant" in record.getMessage()]
+    assert lines == [f"ORTModule: Received input of type <class 'str'> is treated as a constant by ORT by default. "
+                     f"(argument 'mode': the graph has its value {value!r}; another value compiles another graph)"
+                     for value in ("shift", "other")]
+
+
 def test_changing_a_feed_in_place_before_backward_is_an_error():
     wrapped = ORTModule(models.mlp())
     x, _ = models.mlp_batch(0)
@@ -518,8 +539,8 @@ def test_opset_17_and_debug_options_save_every_model(monkeypatch, tmp_path):
         lambda model, batch: models.mlp_loss(model(batch[0]), batch[1]))
     assert wrapped._settings.log_level == LogLevel.ERROR and not wrapped._settings.compute_optimizer
     ORTModule(models.mlp(), DebugOptions(save_onnx=True, onnx_prefix="mlp"))(batches[0][0])
-    assert sorted(path.name for path in tmp_path.iterdir()) == [
-        f"mlp_{stage}_training.onnx" for stage in ("execution_model", "optimized", "pre_grad", "torch_exported")]
+    stages = ("execution_model", "optimized_pre_grad", "optimized", "torch_exported")  # the original's names
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"mlp_{stage}_training.onnx" for stage in stages]
 
 
 @pytest.mark.parametrize("arguments, error, message", [

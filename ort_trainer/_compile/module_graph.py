@@ -79,7 +79,8 @@ class ModuleGraph:
             exported, weights + aliases, trainable, requiring_grad, outputs, schema.shapes, trains=needs_grad,
             severity=settings.ort_severity, compute_optimizer=settings.compute_optimizer,
             propagate_casts=compute_dtype is None,
-            pre_grad_path=_path(settings, "pre_grad", training=True), log=lambda message: _info(settings, message))
+            pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
+            log=lambda message: _info(settings, message))
         model_proto = built.model
         self.non_differentiable, self.full_shape_grads = built.non_differentiable, built.full_shape_grads
         describe_outputs(model_proto, outputs, schema.dtypes, schema.shapes)
@@ -109,6 +110,10 @@ class ModuleGraph:
         self.gradient_slots = [slots.get(name) for name in inputs]  # each feed's backward output
         _info(settings, "compiled the %s graph of %s for inputs %s in %.2f s", self.kind, type(model).__name__,
               {name: list(values[name].shape) for name in user}, time.perf_counter() - started)
+        for name, value in binding.constant_keywords.items():  # the original's line for each
+            if isinstance(value, str):
+                _info(settings, "Received input of type %s is treated as a constant by ORT by default. (argument "
+                      "%r: the graph has its value %r; another value compiles another graph)", type(value), name, value)
 
     @property
     def kind(self):

@@ -52,7 +52,7 @@ class DebugOptions:
             `ort_trainer.ortmodule` logger, and ONNX Runtime's own info (VERBOSE: verbose) logs;
             at WARNING (the default) ONNX Runtime prints its errors only.
         save_onnx: write the ONNX models of every compiled graph (`<onnx_prefix>_<stage>_<mode>.onnx`,
-            stage `torch_exported`, `pre_grad` (training only), `optimized`, `execution_model`; mode
+            stage `torch_exported`, `optimized_pre_grad` (training only), `optimized`, `execution_model`; mode
             `training` or `inference`) into ORTMODULE_SAVE_ONNX_PATH, default the working directory.
             A later graph of the same mode overwrites them.
         onnx_prefix: the file name prefix; required with save_onnx.
