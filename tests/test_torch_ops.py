@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer._configuration.runtime_settings import RuntimeSettings
+from ort_trainer._export.trace import ExportError
 from ort_trainer._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from ort_trainer._onnx import torch_node
 from ort_trainer._runtime import torch_ops
@@ -391,6 +392,33 @@ class Function(nn.Module):
 
 
 CASES.update({f"function {name}": (functools.partial(Function, name), (6, 4)) for name in Function.FUNCTIONS})
+
+
+class Recurrent(nn.Module):
+    """nn.RNN (ONNX Runtime has no gradient for ONNX's RNN) on [batch, seq, features], its last
+    step's output (and, `reads_last_hidden`, h_n: else its gradient is zeros) into two logits."""
+
+    def __init__(self, nonlinearity="tanh", layers=1, bidirectional=False, reads_last_hidden=False, batch_first=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.RNN(3, 5, layers, nonlinearity=nonlinearity, bidirectional=bidirectional,
+                          batch_first=batch_first)
+        self.head = nn.Linear(5 * (2 if bidirectional else 1), 2)
+        self.reads_last_hidden, self.batch_first = reads_last_hidden, batch_first
+
+    def forward(self, x):
+        output, last_hidden = self.rnn(x if self.batch_first else x.transpose(0, 1))
+        y = self.head(output[:, -1] if self.batch_first else output[-1])
+        return y + last_hidden[-1, :, :2] if self.reads_last_hidden else y
+
+
+CASES.update({
+    "rnn tanh": (Recurrent, (4, 6, 3)),
+    "rnn relu two layers reading h_n": (lambda: Recurrent("relu", 2, reads_last_hidden=True, batch_first=False),
+                                        (4, 6, 3)),
+    "rnn bidirectional reading h_n": (lambda: Recurrent(layers=2, bidirectional=True, reads_last_hidden=True),
+                                      (4, 6, 3)),
+})
 CASES.update({
     "einsum input first": (lambda: Einsum("bi,ij->bj"), (4, 6)),
     "einsum implicit": (lambda: Einsum("bi,ij"), (4, 6)),
@@ -402,6 +430,32 @@ CASES.update({
     "adaptive_avg_pool2d": (lambda: Pooled(2, (3, 4)), (2, 3, 7, 9)),
     "adaptive_avg_pool3d": (lambda: Pooled(3, (2, 3, 2)), (2, 3, 5, 7, 3)),
 })
+
+
+def test_an_rnn_with_dropout_between_its_layers_is_refused_by_name():
+    model = nn.Sequential(nn.RNN(3, 5, 2, dropout=0.5, batch_first=True))
+    trainer = ORTTrainer(model, {"inputs": [("x", ["batch", 6, 3]), ("y", ["batch", 6, 5])],
+                                 "outputs": [("loss", [], True)]},
+                         optim.SGDConfig(lr=0.1), loss_fn=lambda output, y: F.mse_loss(output[0], y))
+    with pytest.raises(ExportError, match=r"nn\.RNN\(nonlinearity='tanh'\) with dropout=0\.5 between its layers cannot "
+                                        r"be trained in ONNX Runtime \(its backward would draw other masks\): set "
+                                        r"dropout=0, or apply nn\.Dropout between single-layer RNNs"):
+        trainer.train_step(torch.randn(4, 6, 3), torch.randn(4, 6, 5))
+
+
+def test_export_onnx_of_a_trained_rnn_writes_onnx_rnn(tmp_path):
+    make, shape = CASES["rnn bidirectional reading h_n"]
+    model, (x, target) = make(), _batches(shape, steps=1)[0]
+    trainer = ORTTrainer(model, desc_for(shape), optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    trainer.train_step(x, target)
+    trainer.export_onnx(tmp_path / "model.onnx")
+    exported = onnx.load(tmp_path / "model.onnx")
+    assert "RNN" in {node.op_type for node in exported.graph.node}
+    assert not any(node.domain == DOMAIN for node in exported.graph.node)
+    session = onnxruntime.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        expected = model.eval()(x)
+    np.testing.assert_allclose(session.run(None, {"x": x.numpy()})[0], expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_eval_step_and_export_onnx_of_a_model_with_torch_nodes(tmp_path):
@@ -436,7 +490,8 @@ def test_ortrainer_trains_in_step_with_torch(case):
                                   "function prod of all", "function l2 norm of all",
                                   "function xlogy of a detached value", "function mode", "function exp2 sinc erfc",
                                   "function nansum nanmean", "function reflect padding", "function cdist of itself",
-                                  "function trace diag", "function kron pdist", "function nearest-exact"])
+                                  "function trace diag", "function kron pdist", "function nearest-exact", "rnn tanh",
+                                  "rnn bidirectional reading h_n"])
 def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
     make, shape = CASES[case]

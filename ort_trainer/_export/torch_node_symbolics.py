@@ -72,6 +72,7 @@ def torch_node_symbolics():
     """(aten op, symbolic, opset) of the symbolics writing torch nodes."""
     return (*((f"aten::adaptive_avg_pool{dims}d", _adaptive_avg_pool(dims), 9) for dims in (1, 2, 3)),
             ("aten::detach", _detach, 9), ("aten::pad", _pad, 11),
+            *((f"aten::rnn_{nonlinearity}", _rnn(nonlinearity), 9) for nonlinearity in ("tanh", "relu")),
             *((f"aten::{name}", _function(name, default, tensors, function), opset)
               for name, (default, opset, tensors, function) in FUNCTIONS.items()))
 
@@ -116,6 +117,29 @@ def _pad(g, x, pad, mode, value):
         raise SymbolicValueError(f"F.pad(mode={torch_mode!r}): the pads must be constants", x)
     return _torch_node(g, FUNCTION, [x], rank=symbolic_helper._get_tensor_rank(x), function="nn.functional.pad",
                        args=[pads, torch_mode], kwargs={})
+
+
+def _rnn(nonlinearity):
+    """nn.RNN (torch.rnn_tanh / rnn_relu): ONNX Runtime has no gradient for ONNX's RNN, so a training
+    export runs torch's as one torch node, (output, h_n), both differentiable; an inference export
+    keeps torch's symbolic."""
+    def symbolic(g, x, hidden, weights, *flags):
+        if not GLOBALS.export_training:
+            return symbolic_opset9._one_hidden_rnn(f"RNN_{nonlinearity.upper()}")(g, x, hidden, weights, *flags)
+        has_biases, num_layers, dropout, train, bidirectional, batch_first = (
+            symbolic_helper._parse_arg(value, kind) for value, kind in zip(flags, "iifiii"))
+        if dropout and train:
+            raise SymbolicValueError(f"nn.RNN(nonlinearity={nonlinearity!r}) with dropout={dropout} between its layers "
+                                     "cannot be trained in ONNX Runtime (its backward would draw other masks): set "
+                                     "dropout=0, or apply nn.Dropout between single-layer RNNs", x)
+        tensors = [x, hidden, *symbolic_helper._unpack_list(weights)]
+        params = {"function": f"rnn_{nonlinearity}", "kwargs": {}, "tensor_list_from": 2, "differentiable_outputs": 2,
+                  "args": [bool(has_biases), num_layers, dropout, bool(train), bool(bidirectional), bool(batch_first)]}
+        output, last_hidden = _torch_node(g, FUNCTION, tensors, rank=None, outputs=2, **params)
+        output.setType(x.type().with_sizes([None] * 3))
+        last_hidden.setType(hidden.type().with_sizes([None] * 3))
+        return output, last_hidden
+    return symbolic
 
 
 _FLOATS = frozenset({"Float", "Double", "Half", "BFloat16", None})  # None: not known, treated as floating

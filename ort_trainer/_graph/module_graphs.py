@@ -10,6 +10,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 from .missing_gradient import missing_gradient
+from .torch_nodes import missing_output_gradients_as_zeros
 
 _ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
                torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE,
@@ -64,9 +65,10 @@ def build_module_graph(exported, initializers, trainable, requiring_grad, output
             log("ONNX Runtime's compute optimizer changed the shapes of the outputs; built without it")
         compute_optimizer = False
     info = builder.get_graph_info()
-    model = builder.get_gradient_model() if trains else builder.get_forward_model()
+    model = onnx.load_from_string(builder.get_gradient_model() if trains else builder.get_forward_model())
+    missing_output_gradients_as_zeros(model)
     return BuiltModuleGraph(
-        model=onnx.load_from_string(model), differentiated=requiring_grad + trainable,
+        model=model, differentiated=requiring_grad + trainable,
         non_differentiable=list(info.output_grad_indices_non_differentiable) if trains else [],
         full_shape_grads=set(info.output_grad_indices_require_full_shape) if trains else set())
 
@@ -98,8 +100,8 @@ def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trai
             raise NotImplementedError(
                 f"ONNX Runtime's gradient builder defined the gradient of {duplicate.group(1)!r} twice: a tensor that "
                 "needs no gradient is concatenated (torch.cat) twice, which its optimizer made of equal values (ones "
-                "of one shape, say). ORTTrainer builds such graphs; with ORTModule concatenate it once, or let this call "
-                "run in PyTorch (the default fallback policy)") from error
+                "of one shape, say). ORTTrainer builds such graphs; with ORTModule concatenate it once, or let this "
+                "call run in PyTorch (the default fallback policy)") from error
         missing = missing_gradient(str(error), exported, trainable, outputs)
         if missing is None:
             raise

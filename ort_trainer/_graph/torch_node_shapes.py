@@ -93,12 +93,19 @@ def _nearest_exact_shape(shapes, args):
     return list(shapes[0][:2]) + list(sizes)
 
 
+def _rnn_shape(shapes, args):
+    """nn.RNN's output: the input's shape with the hidden size (times 2 when bidirectional) last."""
+    bidirectional = args[4]
+    return list(shapes[0][:-1]) + [shapes[1][-1] * (2 if bidirectional else 1)]
+
+
+_RNNS = frozenset({"rnn_tanh", "rnn_relu"})
 # Functions whose output shape is neither the inputs' broadcast nor a reduction's.
 _SHAPE_CHANGING = {
     "ops.aten.cdist": lambda shapes, args: list(shapes[0][:-1]) + [shapes[1][-2]],  # [.., P, D], [.., R, D]
     "trace": lambda shapes, args: [],
     "pdist": lambda shapes, args: [shapes[0][0] * (shapes[0][0] - 1) // 2],
-    "diag": _diag_shape, "kron": _kron_shape,
+    "diag": _diag_shape, "kron": _kron_shape, **{name: _rnn_shape for name in _RNNS},
     **{f"ops.aten._upsample_nearest_exact{dims}d": _nearest_exact_shape for dims in (1, 2, 3)},
 }
 
@@ -123,7 +130,7 @@ def declare_torch_node_outputs(model):
             attributes = node_attributes(node)
             params = json.loads(attributes["overload_name"].decode() or "{}")
             shape_of = _SHAPES.get(attributes["operator"].decode())
-            inputs = [tensors.get(name, (0, None)) for name in node.input]
+            inputs = _in_operand_order([tensors.get(name, (0, None)) for name in node.input], params)
             shape = None
             if shape_of is not None and all(dims is not None and all(isinstance(d, int) for d in dims)
                                             for _, dims in inputs):
@@ -132,11 +139,24 @@ def declare_torch_node_outputs(model):
                 continue  # typed already, and no shape to add
             element_type = params.get("output_type") or inputs[0][0] or onnx.TensorProto.FLOAT
             set_value_info(model, node.output[0], element_type, shape)
-            for indices in node.output[1:]:  # (values, indices) functions: int64, the values' shape
-                set_value_info(model, indices, onnx.TensorProto.INT64, shape)
+            if params.get("function") in _RNNS:  # (output, h_n): h_n has the initial hidden state's shape
+                set_value_info(model, node.output[1], element_type, inputs[1][1])
+            else:
+                for indices in node.output[1:]:  # (values, indices) functions: int64, the values' shape
+                    set_value_info(model, indices, onnx.TensorProto.INT64, shape)
             declared = True
         if not declared:
             return
+
+
+def _in_operand_order(inputs, params):
+    """A torch node's inputs in its op's order (`params['operands']`: `_graph.torch_nodes.reached_first`)."""
+    if "operands" not in params:
+        return inputs
+    ordered = [None] * len(inputs)
+    for position, operand in enumerate(params["operands"]):
+        ordered[operand] = inputs[position]
+    return ordered
 
 
 def set_value_info(model, name, element_type, shape):

@@ -189,10 +189,35 @@ def register_torch_node_gradients(model):
         if operator not in GRADIENTS:
             continue
         params = json.loads(overload or "{}")
-        inputs = ["GO(0)"] + [f"I({k})" for k in range(len(node.input))]
+        inputs = [f"GO({k})" for k in range(params.get("differentiable_outputs", 1))]
+        inputs += [f"I({k})" for k in range(len(node.input))]
         C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", [
             _gradient_node(GRADIENTS[operator], inputs, [f"GI({k})"], {**params, "input": k})
             for k in range(len(node.input))])
+
+
+def missing_output_gradients_as_zeros(model):
+    """A torch node's gradient reads the gradient of each of its differentiable outputs, and the
+    builder names it (`<output>_grad`) even where nothing computes it (the h_n of an nn.RNN the loss
+    does not read): those gradients become zeros of the output's shape (in place)."""
+    graph = model.graph
+    defined = {value.name for value in (*graph.input, *graph.initializer)} | {
+        name for node in graph.node for name in node.output}
+    types = {value.name: value.type.tensor_type.elem_type for value in (*graph.value_info, *graph.output)}
+    nodes, zeros = [], set()
+    for node in graph.node:
+        if node.domain == DOMAIN:
+            for name in node.input:
+                output = name[:-len("_grad")]
+                if name.endswith("_grad") and name not in defined and name not in zeros and output in defined:
+                    element_type = types.get(output) or onnx.TensorProto.FLOAT
+                    zero = onnx.helper.make_tensor(f"{name}/zero", element_type, [1], [0])
+                    nodes += [onnx.helper.make_node("Shape", [output], [f"{name}/shape"]),
+                              onnx.helper.make_node("ConstantOfShape", [f"{name}/shape"], [name], value=zero)]
+                    zeros.add(name)
+        nodes.append(node)
+    if zeros:
+        replace_nodes(model, nodes)
 
 
 def _gradient_node(operator, inputs, outputs, params):

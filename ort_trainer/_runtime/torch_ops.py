@@ -94,31 +94,39 @@ _ADAPTIVE_AVG_POOLS = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.
 
 
 def _function(inputs, params):
-    """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det)."""
+    """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det); the inputs from
+    params' `tensor_list_from` on are passed as one list (nn.RNN's weights)."""
     function = functools.reduce(getattr, params["function"].split("."), torch)
+    operands = in_operand_order(inputs, params)
+    if "tensor_list_from" in params:
+        operands = [*operands[:params["tensor_list_from"]], operands[params["tensor_list_from"]:]]
     # params' output_type informs the graph only
-    result = function(*in_operand_order(inputs, params), *params["args"], **params["kwargs"])
+    result = function(*operands, *params["args"], **params["kwargs"])
     return list(result) if isinstance(result, tuple) else [result]  # (values, indices) as torch returns them
 
 
 def _input_gradient(forward):
-    """The gradient node of `forward` for input params['input'] (inputs: the output's gradient,
+    """The gradient node of `forward` for input params['input'] (inputs: the gradients of the
+    forward's first `differentiable_outputs` outputs (1 by default: the values of (values, indices)),
     then the forward's inputs), by torch's autograd of the forward at these inputs."""
     def gradient(inputs, params):
-        grad, operands, k = inputs[0], list(inputs[1:]), params["input"]
+        count, k = params.get("differentiable_outputs", 1), params["input"]
+        grads, operands = inputs[:count], list(inputs[count:])
         if not operands[k].is_floating_point():  # an integer input (ldexp's exponent): no gradient flows on
             return [torch.zeros_like(operands[k])]
         operands[k] = operands[k].detach().requires_grad_(True)
         with torch.enable_grad():
             try:
-                output = forward(operands, params)[0]  # the values of (values, indices)
+                outputs = forward(operands, params)[:count]
             except RuntimeError as error:  # a loss's target: ONNX Runtime asks for every input's gradient
                 if "is not differentiable with respect to argument" not in str(error):
                     raise
                 return [torch.zeros_like(operands[k])]
-        if not output.requires_grad:  # the output does not depend on this input (hinge_embedding_loss's target)
+        pairs = [(output, grad) for output, grad in zip(outputs, grads) if output.requires_grad]
+        if not pairs:  # the outputs do not depend on this input (hinge_embedding_loss's target)
             return [torch.zeros_like(operands[k])]
-        result = torch.autograd.grad(output, operands[k], grad, allow_unused=True)[0]
+        result = torch.autograd.grad([output for output, _ in pairs], operands[k], [grad for _, grad in pairs],
+                                     allow_unused=True)[0]
         return [torch.zeros_like(operands[k]) if result is None else result]
     return gradient
 
