@@ -270,9 +270,30 @@ def test_norms_train_like_torch(norm):
     assert_trains_like_torch(LinearThen(norm, features=4), VECTOR_DESC, batches((3, 4), (3, 4)))
 
 
+def onnx_model_with_loss(model, **export_options):
+    """`model` (4 features in, 4 out) + mse loss exported by torch's exporter as a user would, the
+    model under attribute `model` (as the trainer's own export names its modules)."""
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, y):
+            output = self.model(x)
+            return mse(output, y), output
+
+    buffer = io.BytesIO()
+    torch.onnx.export(WithLoss(), (torch.randn(2, 4), torch.randn(2, 4)), buffer, input_names=["x", "y"],
+                      output_names=["loss", "output"], opset_version=14, dynamo=False, **export_options)
+    return onnx.load_from_string(buffer.getvalue())
+
+
 @pytest.mark.parametrize("layer", ["lstm", "gru"])
-def test_a_bidirectional_recurrence_is_refused_by_name(layer):
-    """ONNX Runtime's LSTM and GRU training kernels run forwards only (its session failed to load)."""
+def test_a_bidirectional_recurrence_in_an_onnx_model_is_refused_by_name(layer):
+    """ONNX Runtime's LSTM and GRU training kernels run forwards only (its session failed to load).
+    A torch model's bidirectional layer trains through a torch node (test_torch_ops); an ONNX
+    model's is refused."""
 
     class Recurrent(nn.Module):
         def __init__(self):
@@ -282,11 +303,13 @@ def test_a_bidirectional_recurrence_is_refused_by_name(layer):
         def forward(self, x):
             return self.rnn(x.unsqueeze(1))[0][:, 0]
 
+    trainer = ORTTrainer(onnx_model_with_loss(Recurrent(), training=torch.onnx.TrainingMode.TRAINING,
+                                              do_constant_folding=False), VECTOR_DESC, optim.SGDConfig(lr=LR))
     op = layer.upper()
     with pytest.raises(MissingGradientError, match=(
             rf"^ONNX Runtime has no gradient for {op} \(direction 'bidirectional': its training kernels run the "
             rf"forward direction only\), used by module 'rnn' \(ONNX node /model/rnn/{op}\) between")):
-        trainer_for(Recurrent(), VECTOR_DESC).train_step(torch.randn(2, 4), torch.randn(2, 4))
+        trainer.train_step(torch.randn(2, 4), torch.randn(2, 4))
 
 
 @pytest.mark.parametrize("conv", [
@@ -325,19 +348,7 @@ def test_unsupported_case_of_an_op_names_its_nodes_on_the_gradient_path():
         def forward(self, x):
             return self.pad(self.linear(self.pad(x)[:, 1:-1].unsqueeze(1)))[:, 0, 1:-1]
 
-    class WithLoss(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = Padded()
-
-        def forward(self, x, y):
-            output = self.model(x)
-            return mse(output, y), output
-
-    buffer = io.BytesIO()
-    torch.onnx.export(WithLoss(), (torch.randn(2, 4), torch.randn(2, 4)), buffer, input_names=["x", "y"],
-                      output_names=["loss", "output"], opset_version=14, dynamo=False)
-    trainer = ORTTrainer(onnx.load_from_string(buffer.getvalue()), VECTOR_DESC, optim.SGDConfig(lr=LR))
+    trainer = ORTTrainer(onnx_model_with_loss(Padded()), VECTOR_DESC, optim.SGDConfig(lr=LR))
     with pytest.raises(MissingGradientError, match=(
             r"^ONNX Runtime has no gradient for Pad \(Pad gradient currently supports constant mode only\), "
             r"used by module 'pad_1' or a repeated call of module 'pad' \(ONNX node /model/pad_1/Pad\) between"

@@ -395,29 +395,38 @@ CASES.update({f"function {name}": (functools.partial(Function, name), (6, 4)) fo
 
 
 class Recurrent(nn.Module):
-    """nn.RNN (ONNX Runtime has no gradient for ONNX's RNN) on [batch, seq, features], its last
-    step's output (and, `reads_last_hidden`, h_n: else its gradient is zeros) into two logits."""
+    """nn.RNN (ONNX Runtime has no gradient for ONNX's RNN), or a GRU / LSTM it cannot train
+    (bidirectional, proj_size) on [batch, seq, features]: its last step's output (and,
+    `reads_last_hidden`, h_n: else its gradient is zeros) into two logits."""
 
-    def __init__(self, nonlinearity="tanh", layers=1, bidirectional=False, reads_last_hidden=False, batch_first=True):
+    def __init__(self, kind="RNN", layers=1, bidirectional=False, reads_last_hidden=False, batch_first=True,
+                 **options):
         super().__init__()
         torch.manual_seed(0)
-        self.rnn = nn.RNN(3, 5, layers, nonlinearity=nonlinearity, bidirectional=bidirectional,
-                          batch_first=batch_first)
-        self.head = nn.Linear(5 * (2 if bidirectional else 1), 2)
+        self.rnn = getattr(nn, kind)(3, 5, layers, bidirectional=bidirectional, batch_first=batch_first, **options)
+        output_size = options.get("proj_size") or 5
+        self.head = nn.Linear(output_size * (2 if bidirectional else 1), 2)
         self.reads_last_hidden, self.batch_first = reads_last_hidden, batch_first
 
     def forward(self, x):
-        output, last_hidden = self.rnn(x if self.batch_first else x.transpose(0, 1))
+        output, state = self.rnn(x if self.batch_first else x.transpose(0, 1))
         y = self.head(output[:, -1] if self.batch_first else output[-1])
-        return y + last_hidden[-1, :, :2] if self.reads_last_hidden else y
+        if not self.reads_last_hidden:
+            return y
+        states = state if isinstance(state, tuple) else (state,)  # an LSTM's (h_n, c_n)
+        return y + sum(state[-1, :, :2] for state in states)
 
 
 CASES.update({
     "rnn tanh": (Recurrent, (4, 6, 3)),
-    "rnn relu two layers reading h_n": (lambda: Recurrent("relu", 2, reads_last_hidden=True, batch_first=False),
-                                        (4, 6, 3)),
+    "rnn relu two layers reading h_n": (
+        lambda: Recurrent(layers=2, reads_last_hidden=True, batch_first=False, nonlinearity="relu"), (4, 6, 3)),
     "rnn bidirectional reading h_n": (lambda: Recurrent(layers=2, bidirectional=True, reads_last_hidden=True),
                                       (4, 6, 3)),
+    "gru bidirectional": (lambda: Recurrent("GRU", bidirectional=True, reads_last_hidden=True), (4, 6, 3)),
+    "lstm bidirectional two layers reading h_n and c_n": (
+        lambda: Recurrent("LSTM", layers=2, bidirectional=True, reads_last_hidden=True, batch_first=False), (4, 6, 3)),
+    "lstm proj_size": (lambda: Recurrent("LSTM", proj_size=3), (4, 6, 3)),
 })
 CASES.update({
     "einsum input first": (lambda: Einsum("bi,ij->bj"), (4, 6)),
@@ -439,7 +448,7 @@ def test_an_rnn_with_dropout_between_its_layers_is_refused_by_name():
                          optim.SGDConfig(lr=0.1), loss_fn=lambda output, y: F.mse_loss(output[0], y))
     with pytest.raises(ExportError, match=r"nn\.RNN\(nonlinearity='tanh'\) with dropout=0\.5 between its layers cannot "
                                         r"be trained in ONNX Runtime \(its backward would draw other masks\): set "
-                                        r"dropout=0, or apply nn\.Dropout between single-layer RNNs"):
+                                        r"dropout=0, or apply nn\.Dropout between single-layer modules"):
         trainer.train_step(torch.randn(4, 6, 3), torch.randn(4, 6, 5))
 
 
@@ -491,7 +500,7 @@ def test_ortrainer_trains_in_step_with_torch(case):
                                   "function xlogy of a detached value", "function mode", "function exp2 sinc erfc",
                                   "function nansum nanmean", "function reflect padding", "function cdist of itself",
                                   "function trace diag", "function kron pdist", "function nearest-exact", "rnn tanh",
-                                  "rnn bidirectional reading h_n"])
+                                  "rnn bidirectional reading h_n", "lstm bidirectional two layers reading h_n and c_n"])
 def test_ortmodule_trains_in_step_with_torch(case, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # the graph, or an error
     make, shape = CASES[case]

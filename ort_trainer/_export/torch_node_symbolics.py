@@ -72,7 +72,7 @@ def torch_node_symbolics():
     """(aten op, symbolic, opset) of the symbolics writing torch nodes."""
     return (*((f"aten::adaptive_avg_pool{dims}d", _adaptive_avg_pool(dims), 9) for dims in (1, 2, 3)),
             ("aten::detach", _detach, 9), ("aten::pad", _pad, 11),
-            *((f"aten::rnn_{nonlinearity}", _rnn(nonlinearity), 9) for nonlinearity in ("tanh", "relu")),
+            *((f"aten::{name}", _recurrent(name), 9) for name in ("rnn_tanh", "rnn_relu", "gru", "lstm")),
             *((f"aten::{name}", _function(name, default, tensors, function), opset)
               for name, (default, opset, tensors, function) in FUNCTIONS.items()))
 
@@ -119,26 +119,44 @@ def _pad(g, x, pad, mode, value):
                        args=[pads, torch_mode], kwargs={})
 
 
-def _rnn(nonlinearity):
-    """nn.RNN (torch.rnn_tanh / rnn_relu): ONNX Runtime has no gradient for ONNX's RNN, so a training
-    export runs torch's as one torch node, (output, h_n), both differentiable; an inference export
-    keeps torch's symbolic."""
+def _recurrent(name):
+    """nn.RNN (aten::rnn_tanh, rnn_relu), and nn.GRU / nn.LSTM where ONNX Runtime cannot train them
+    (bidirectional: its kernels run the forward direction only; an LSTM with proj_size: the exporter
+    refuses it): a training export runs torch's op as one torch node, (output, h_n[, c_n]) all
+    differentiable. ONNX Runtime has no gradient for ONNX's RNN at all. Else torch's symbolic."""
+    default = symbolic_opset9.lstm if name == "lstm" else symbolic_opset9._one_hidden_rnn(
+        {"gru": "GRU"}.get(name, f"RNN_{name.removeprefix('rnn_').upper()}"))
+
     def symbolic(g, x, hidden, weights, *flags):
-        if not GLOBALS.export_training:
-            return symbolic_opset9._one_hidden_rnn(f"RNN_{nonlinearity.upper()}")(g, x, hidden, weights, *flags)
+        packed = name == "lstm" and symbolic_helper._is_tensor_list(flags[0])  # (data, batch_sizes, hx, weights, ..)
+        if not GLOBALS.export_training or packed:
+            return default(g, x, hidden, weights, *flags)
         has_biases, num_layers, dropout, train, bidirectional, batch_first = (
             symbolic_helper._parse_arg(value, kind) for value, kind in zip(flags, "iifiii"))
+        states = symbolic_helper._unpack_list(hidden) if name == "lstm" else [hidden]
+        parameters = symbolic_helper._unpack_list(weights)
+        per_cell = len(parameters) // (num_layers * (2 if bidirectional else 1))  # 3 or 5: proj_size's weight
+        if name in ("gru", "lstm") and not bidirectional and per_cell in (2, 4):
+            return default(g, x, hidden, weights, *flags)
+        module = {"gru": "GRU", "lstm": "LSTM"}.get(name, f"RNN(nonlinearity={name.removeprefix('rnn_')!r})")
         if dropout and train:
-            raise SymbolicValueError(f"nn.RNN(nonlinearity={nonlinearity!r}) with dropout={dropout} between its layers "
-                                     "cannot be trained in ONNX Runtime (its backward would draw other masks): set "
-                                     "dropout=0, or apply nn.Dropout between single-layer RNNs", x)
-        tensors = [x, hidden, *symbolic_helper._unpack_list(weights)]
-        params = {"function": f"rnn_{nonlinearity}", "kwargs": {}, "tensor_list_from": 2, "differentiable_outputs": 2,
-                  "args": [bool(has_biases), num_layers, dropout, bool(train), bool(bidirectional), bool(batch_first)]}
-        output, last_hidden = _torch_node(g, FUNCTION, tensors, rank=None, outputs=2, **params)
-        output.setType(x.type().with_sizes([None] * 3))
-        last_hidden.setType(hidden.type().with_sizes([None] * 3))
-        return output, last_hidden
+            raise SymbolicValueError(f"nn.{module} with dropout={dropout} between its layers cannot be trained in "
+                                     "ONNX Runtime (its backward would draw other masks): set dropout=0, or apply "
+                                     "nn.Dropout between single-layer modules", x)
+        tensors = [x, *states, *parameters]
+        # the zeros the layer starts from when given no state: no gradient (h_0 and c_0, equal
+        # constants, become one tensor, whose gradient the builder would define twice)
+        constants = [1 + k for k, state in enumerate(states)
+                     if state.node().kind() in ("onnx::Constant", "prim::Constant")]
+        params = {"function": name, "kwargs": {}, "tensor_lists": [[1, 1 + len(states)]] * (name == "lstm")
+                  + [[1 + len(states), len(tensors)]], "differentiable_outputs": 1 + len(states),
+                  "args": [bool(has_biases), num_layers, dropout, bool(train), bool(bidirectional), bool(batch_first)],
+                  **({"stop_gradient": constants} if constants else {})}
+        outputs = _torch_node(g, FUNCTION, tensors, rank=None, outputs=1 + len(states), **params)
+        outputs[0].setType(x.type().with_sizes([None] * 3))
+        for output, state in zip(outputs[1:], states):
+            output.setType(state.type().with_sizes([None] * 3))
+        return outputs
     return symbolic
 
 

@@ -183,9 +183,10 @@ def prepare_for_gradient(model, trainable):
 
 
 def refuse_reversed_recurrences(model, trainable):
-    """Raises MissingGradientError for an LSTM, GRU or RNN that runs backwards (a bidirectional torch
-    layer) between the `trainable` parameters and the loss: ONNX Runtime's training kernels run the
-    forward direction only (its session failed to load, with an internal error)."""
+    """Raises MissingGradientError for an LSTM, GRU or RNN that runs backwards (bidirectional) between
+    the `trainable` parameters and the loss: ONNX Runtime's training kernels run the forward direction
+    only (its session failed to load, with an internal error). Only an ONNX model's: a torch model's
+    bidirectional layers are exported as torch nodes (`_export.torch_node_symbolics`)."""
     reached = computed_from(model, trainable)
     for node in model.graph.node:
         direction = node_attributes(node).get("direction", b"forward").decode()

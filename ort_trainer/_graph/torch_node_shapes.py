@@ -93,19 +93,20 @@ def _nearest_exact_shape(shapes, args):
     return list(shapes[0][:2]) + list(sizes)
 
 
-def _rnn_shape(shapes, args):
-    """nn.RNN's output: the input's shape with the hidden size (times 2 when bidirectional) last."""
+def _recurrent_shape(shapes, args):
+    """A recurrent layer's output: the input's shape with h_0's last size (the hidden size, or an
+    LSTM's proj_size), times 2 when bidirectional, last."""
     bidirectional = args[4]
     return list(shapes[0][:-1]) + [shapes[1][-1] * (2 if bidirectional else 1)]
 
 
-_RNNS = frozenset({"rnn_tanh", "rnn_relu"})
+_RECURRENT = frozenset({"rnn_tanh", "rnn_relu", "gru", "lstm"})
 # Functions whose output shape is neither the inputs' broadcast nor a reduction's.
 _SHAPE_CHANGING = {
     "ops.aten.cdist": lambda shapes, args: list(shapes[0][:-1]) + [shapes[1][-2]],  # [.., P, D], [.., R, D]
     "trace": lambda shapes, args: [],
     "pdist": lambda shapes, args: [shapes[0][0] * (shapes[0][0] - 1) // 2],
-    "diag": _diag_shape, "kron": _kron_shape, **{name: _rnn_shape for name in _RNNS},
+    "diag": _diag_shape, "kron": _kron_shape, **{name: _recurrent_shape for name in _RECURRENT},
     **{f"ops.aten._upsample_nearest_exact{dims}d": _nearest_exact_shape for dims in (1, 2, 3)},
 }
 
@@ -139,8 +140,9 @@ def declare_torch_node_outputs(model):
                 continue  # typed already, and no shape to add
             element_type = params.get("output_type") or inputs[0][0] or onnx.TensorProto.FLOAT
             set_value_info(model, node.output[0], element_type, shape)
-            if params.get("function") in _RNNS:  # (output, h_n): h_n has the initial hidden state's shape
-                set_value_info(model, node.output[1], element_type, inputs[1][1])
+            if params.get("function") in _RECURRENT:  # (output, h_n[, c_n]): the initial states' shapes
+                for state, (_, dims) in zip(node.output[1:], inputs[1:]):
+                    set_value_info(model, state, element_type, dims)
             else:
                 for indices in node.output[1:]:  # (values, indices) functions: int64, the values' shape
                     set_value_info(model, indices, onnx.TensorProto.INT64, shape)

@@ -189,11 +189,15 @@ def register_torch_node_gradients(model):
         if operator not in GRADIENTS:
             continue
         params = json.loads(overload or "{}")
+        # inputs without a gradient (a recurrent layer's constant initial state), by their place in the node
+        stop = {params["operands"].index(k) if "operands" in params else k for k in params.get("stop_gradient", ())}
+        if stop:
+            C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{operator}::{overload}", stop)
         inputs = [f"GO({k})" for k in range(params.get("differentiable_outputs", 1))]
         inputs += [f"I({k})" for k in range(len(node.input))]
         C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", [
             _gradient_node(GRADIENTS[operator], inputs, [f"GI({k})"], {**params, "input": k})
-            for k in range(len(node.input))])
+            for k in range(len(node.input)) if k not in stop])
 
 
 def missing_output_gradients_as_zeros(model):

@@ -94,12 +94,12 @@ _ADAPTIVE_AVG_POOLS = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.
 
 
 def _function(inputs, params):
-    """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det); the inputs from
-    params' `tensor_list_from` on are passed as one list (nn.RNN's weights)."""
+    """torch.<function>(*inputs, *args, **kwargs) ('linalg.det': torch.linalg.det); each [start, end)
+    of params' `tensor_lists` is passed as one list (an LSTM's (h0, c0), a recurrent layer's weights)."""
     function = functools.reduce(getattr, params["function"].split("."), torch)
     operands = in_operand_order(inputs, params)
-    if "tensor_list_from" in params:
-        operands = [*operands[:params["tensor_list_from"]], operands[params["tensor_list_from"]:]]
+    for start, end in reversed(params.get("tensor_lists", [])):
+        operands = [*operands[:start], operands[start:end], *operands[end:]]
     # params' output_type informs the graph only
     result = function(*operands, *params["args"], **params["kwargs"])
     return list(result) if isinstance(result, tuple) else [result]  # (values, indices) as torch returns them
