@@ -84,11 +84,11 @@ def inferred_tensors(model):
         graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
     else:
         original = list(model.graph.node)
-        _replace_nodes(model.graph, stand_in)
+        set_nodes(model.graph, stand_in)
         try:
             graph = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
         finally:
-            _replace_nodes(model.graph, original)
+            set_nodes(model.graph, original)
     tensors = {}
     for value in (*graph.input, *graph.value_info, *graph.output):
         tensor_type = value.type.tensor_type
@@ -98,7 +98,8 @@ def inferred_tensors(model):
     return tensors
 
 
-def _replace_nodes(graph, nodes):
+def set_nodes(graph, nodes):
+    """`graph`'s nodes become `nodes` (in place)."""
     del graph.node[:]
     graph.node.extend(nodes)
 
@@ -197,3 +198,15 @@ def torch_node(operator, inputs, outputs, *, params, name=""):
 def torch_node_params(params):
     """The `overload_name` of a torch node (one spelling per value: it is part of gradient keys)."""
     return json.dumps(params, sort_keys=True, separators=(",", ":"))
+
+
+def in_operand_order(inputs, params):
+    """The inputs of a torch node (tensors, or what is known of them) in its op's order: a node may
+    list them reordered (`params['operands']`: the op's index of each input listed;
+    `_graph.torch_nodes.reached_first`)."""
+    if "operands" not in params:
+        return list(inputs)
+    ordered = [None] * len(inputs)
+    for position, operand in enumerate(params["operands"]):
+        ordered[operand] = inputs[position]
+    return ordered

@@ -7,7 +7,7 @@ import onnx
 
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import inferred_tensors, node_attributes
+from .._onnx import in_operand_order, inferred_tensors, node_attributes
 
 EINSUM = TORCH_OP_PREFIX + "einsum"  # `_graph.torch_nodes`
 
@@ -131,7 +131,7 @@ def declare_torch_node_outputs(model):
             attributes = node_attributes(node)
             params = json.loads(attributes["overload_name"].decode() or "{}")
             shape_of = _SHAPES.get(attributes["operator"].decode())
-            inputs = _in_operand_order([tensors.get(name, (0, None)) for name in node.input], params)
+            inputs = in_operand_order([tensors.get(name, (0, None)) for name in node.input], params)
             shape = None
             if shape_of is not None and all(dims is not None and all(isinstance(d, int) for d in dims)
                                             for _, dims in inputs):
@@ -149,16 +149,6 @@ def declare_torch_node_outputs(model):
             declared = True
         if not declared:
             return
-
-
-def _in_operand_order(inputs, params):
-    """A torch node's inputs in its op's order (`params['operands']`: `_graph.torch_nodes.reached_first`)."""
-    if "operands" not in params:
-        return inputs
-    ordered = [None] * len(inputs)
-    for position, operand in enumerate(params["operands"]):
-        ordered[operand] = inputs[position]
-    return ordered
 
 
 def set_value_info(model, name, element_type, shape):

@@ -19,7 +19,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import node_attributes, onnx_opset, torch_node, torch_node_params
+from .._onnx import node_attributes, onnx_opset, set_nodes, torch_node, torch_node_params
 from .torch_node_shapes import EINSUM, declare_torch_node_outputs
 
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
@@ -170,8 +170,7 @@ def _reordered_function(node, reached):
 
 def replace_nodes(model, nodes):
     """`model`'s nodes become `nodes` (some of them torch nodes): their domain is imported."""
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
     if not any(opset.domain == DOMAIN for opset in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
 

@@ -27,7 +27,8 @@ from onnxruntime.capi import _pybind_state as C
 from .._graph.cpu_products import MATRIX_PRODUCT
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM,
                                   EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD)
-from .torch_products import convolution_args, in_operand_order, matrix_product, product, product_gradient
+from .._onnx import in_operand_order
+from .torch_products import convolution_args, matrix_product, product, product_gradient
 
 
 class TorchOpError(RuntimeError):

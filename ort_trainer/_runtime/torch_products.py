@@ -9,18 +9,9 @@ over all the rows, as torch's linear computes it.
 """
 import torch
 
+from .._onnx import in_operand_order
+
 _BF16 = torch.bfloat16
-
-
-def in_operand_order(inputs, params):
-    """The inputs of a torch node in its op's order: a node may list them reordered
-    (`params['operands']`: the op's index of each input listed; `_graph.torch_nodes.reached_first`)."""
-    if "operands" not in params:
-        return list(inputs)
-    ordered = [None] * len(inputs)
-    for position, operand in enumerate(params["operands"]):
-        ordered[operand] = inputs[position]
-    return ordered
 
 
 def _transposed(tensor, flag):
