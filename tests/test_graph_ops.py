@@ -24,6 +24,7 @@ from ort_trainer._graph.fixes import expand_broadcast_inputs
 from ort_trainer._graph.missing_gradient import MissingGradientError, torch_module
 from ort_trainer._graph.normalization import decompose_instance_normalization
 from ort_trainer._graph.training_graphs import build_graphs
+from ort_trainer.ortmodule import ORTModule
 
 from . import models
 
@@ -765,7 +766,6 @@ def test_cumsum_with_exclusive_or_reverse_computes_and_differentiates_as_its_def
 def test_ortmodule_runs_these_in_its_graph(monkeypatch):
     """CumSum, an activation ONNX Runtime cannot differentiate and a label-smoothed loss in one
     ORTModule, no fallback: the gradients torch gives."""
-    from ort_trainer.ortmodule import ORTModule
 
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
 
@@ -799,6 +799,10 @@ EXTREMA = {
                                            h.masked_fill(torch.arange(6) > 3, float("-inf")).amax(1, keepdim=True), 1),
     "max_all": lambda h: h * torch.max(h),
     "ties": lambda h: h * torch.amax(torch.cat([h, h], 1), 1, keepdim=True),  # each maximum twice: the value
+    # max/min with a dim: the whole gradient to the index torch returns (the first of ties), none to the others
+    "max_dim_ties": lambda h: torch.max(torch.stack([h, h.detach()], 2), 2)[0],
+    "min_dim_ties": lambda h: h * torch.min(torch.stack([h.detach(), h], 2), 2, keepdim=True)[0].flatten(1),
+    "max_dim_indices": lambda h: h * torch.max(h.view(-1, 3, 2), 2)[1].repeat(1, 2),
     # torch.flip: a reversing Slice, whose ORT gradient fails to run, written as a Gather
     "flip": lambda h: torch.flip(h, [1]) * h,
     "flip_two_axes": lambda h: torch.flip(h.view(-1, 2, 3), [1, 2]).flatten(1),
@@ -807,8 +811,29 @@ EXTREMA = {
 
 @pytest.mark.parametrize("name", sorted(EXTREMA))
 def test_max_and_min_train_like_torch(name):
-    """Written as the mean of the elements equal to the extremum: torch's amax gradient (ties share
-    it evenly), -inf elements (masked attention scores) kept out. torch.flip too."""
+    """amax/amin and max/min without a dim: the mean of the elements equal to the extremum, torch's
+    gradient (ties share it evenly), -inf elements (masked attention scores) kept out; max/min with a
+    dim: the element at the ArgMax/ArgMin. torch.flip too."""
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 6])],
             "outputs": [("loss", [], True), ("output", ["batch", 6])]}
     assert_trains_like_torch(LinearThen(EXTREMA[name]), desc, batches((4, 6), (4, 6)))
+
+
+@pytest.mark.parametrize("keepdim", [True, False])
+def test_an_ortmodule_max_with_a_dim_returns_torchs_indices_and_gradient_among_ties(monkeypatch, keepdim):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+    class Extrema(nn.Module):
+        def forward(self, x):
+            values, indices = torch.max(x, 1, keepdim=keepdim)
+            smallest, at = x.min(dim=0)
+            return values, indices, smallest, at
+
+    x = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0], [1.0, 5.0, 0.0]])
+    ours, expected = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = ORTModule(Extrema())(ours), Extrema()(expected)
+    (got[0].sum() + got[2].sum()).backward()
+    (want[0].sum() + want[2].sum()).backward()
+    for value, reference in zip(got, want):
+        torch.testing.assert_close(value, reference, rtol=0, atol=0)
+    torch.testing.assert_close(ours.grad, expected.grad, rtol=0, atol=0)

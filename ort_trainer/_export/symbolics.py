@@ -50,7 +50,7 @@ def _symbolics():
     return (("aten::diff", _diff, 9), ("aten::cumsum", _cumsum, 11),  # ONNX CumSum: opset 11
             ("aten::scaled_dot_product_attention", _attention, 14), ("aten::embedding", _embedding, 9),
             ("aten::cross_entropy_loss", _cross_entropy, 12), ("aten::movedim", _movedim, 9),
-            ("aten::rms_norm", _rms_norm, 9),
+            ("aten::rms_norm", _rms_norm, 9), ("aten::max", _max, 9), ("aten::min", _min, 9),
             *((f"aten::{name}", symbolic, opset) for name, symbolic, opset in _ACTIVATIONS),
             *torch_node_symbolics())
 
@@ -156,6 +156,32 @@ def _prelu(g, x, weight):
 _ACTIVATIONS = (("prelu", _prelu, 9), ("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9),
                 ("softplus", _softplus, 9),
                 ("mish", _mish, 9), ("hardsigmoid", _hardsigmoid, 9), ("hardswish", _hardswish, 14))
+
+
+def _extremum_at_index(g, x, dim, keepdim, *, arg_op):
+    """(values, indices) of torch.max/min(x, dim, keepdim) as the element at ArgMax/ArgMin, picked
+    by GatherElements: torch routes the gradient to that one index, where a ReduceMax's gradient
+    (`_graph.gradients.extrema_differentiable`, torch's amax rule) shares it among ties. ArgMax
+    picks the first of ties, as torch's CPU kernels do."""
+    dim = symbolic_helper._get_const(dim, "i", "dim")
+    keepdim = symbolic_helper._get_const(keepdim, "i", "keepdim")
+    indices = g.op(arg_op, x, axis_i=dim, keepdims_i=1)
+    values = g.op("GatherElements", x, indices, axis_i=dim)
+    if keepdim:
+        return values, indices
+    return symbolic_helper._squeeze_helper(g, values, [dim]), symbolic_helper._squeeze_helper(g, indices, [dim])
+
+
+def _max(g, x, dim_or_y=None, keepdim=None):
+    if not GLOBALS.export_training or keepdim is None:  # max(x), max(x, y): their gradients are torch's
+        return symbolic_opset9.max(g, x, dim_or_y, keepdim)
+    return _extremum_at_index(g, x, dim_or_y, keepdim, arg_op="ArgMax")
+
+
+def _min(g, x, dim_or_y=None, keepdim=None):
+    if not GLOBALS.export_training or keepdim is None:
+        return symbolic_opset9.min(g, x, dim_or_y, keepdim)
+    return _extremum_at_index(g, x, dim_or_y, keepdim, arg_op="ArgMin")
 
 
 @symbolic_helper.parse_args("v", "t", "t")
