@@ -174,3 +174,13 @@ def test_layerdrop_is_refused_by_name_and_runs_in_pytorch_under_ortmodule():
         wrapped(**_batch("bart", 0, False)).loss.backward()
     model.model.encoder.layerdrop = 0.0
     trainer.train_step(**_batch("bart", 0, False))
+
+
+def test_ortmodule_keeps_onnx_runtimes_own_warnings_to_itself_at_the_default_log_level(capfd):
+    """ONNX Runtime's builder warns on stderr about the graphs it optimizes ("Removing initializer
+    ... It is not used by any node"): not the user's to act on; the original ORTModule held them."""
+    from ort_trainer import ORTModule
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    ORTModule(_gpt2())(input_ids=ids, labels=ids).loss.backward()
+    assert "onnxruntime" not in capfd.readouterr().err

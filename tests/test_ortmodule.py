@@ -1,8 +1,10 @@
 """ORTModule: the wrapped model trains in step with eager PyTorch under torch optimizers, gives the
 same input gradients and output structures, honours train/eval and no_grad, falls back to PyTorch
 as ORTMODULE_FALLBACK_POLICY says, and refuses bad options by name."""
+import contextlib
 import copy
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -250,11 +252,13 @@ class Suffixed(nn.Module):
 
 
 def test_a_string_argument_is_a_constant_of_the_graph_and_says_so(caplog):
-    wrapped = ORTModule(Suffixed(), DebugOptions(log_level=LogLevel.INFO))
+    """DebugOptions' log level decides, not the logger's (WARNING here: no caplog.at_level)."""
     x = torch.randn(3, 2)
-    with caplog.at_level("INFO", logger="ort_trainer.ortmodule"):
-        torch.testing.assert_close(wrapped(x, "shift"), x + 1)
-        torch.testing.assert_close(wrapped(x, "other"), x - 1)  # another value: another graph
+    ORTModule(Suffixed())(x, "shift")  # the default WARNING: no line
+    assert caplog.records == []
+    wrapped = ORTModule(Suffixed(), DebugOptions(log_level=LogLevel.INFO))
+    torch.testing.assert_close(wrapped(x, "shift"), x + 1)
+    torch.testing.assert_close(wrapped(x, "other"), x - 1)  # another value: another graph
     lines = [record.getMessage() for record in caplog.records if "treated as a constant" in record.getMessage()]
     assert lines == [f"ORTModule: Received input of type <class 'str'> is treated as a constant by ORT by default. "
                      f"(argument 'mode': the graph has its value {value!r}; another value compiles another graph)"
@@ -614,3 +618,17 @@ def test_benchmark_runs_on_a_tiny_configuration(tmp_path):
     first = result["first_step_loss"]  # same model, same batch, no dropout: the same loss
     for engine in ("ortmodule", "ortmodule_loss"):
         assert abs(first[engine] - first["eager"]) <= 1e-4 * first["eager"]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_onnx_runtimes_output_during_a_build_is_shown_only_with_an_error(capfd, fails):
+    from ort_trainer._graph.module_graphs import _native_output_held
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with _native_output_held(hold=True):
+            os.write(2, b"native warning\n")
+            if fails:
+                raise RuntimeError("the build failed")
+    assert capfd.readouterr().err == ("native warning\n" if fails else "")
+    with _native_output_held(hold=False):
+        os.write(2, b"at INFO: shown\n")
+    assert capfd.readouterr().err == "at INFO: shown\n"

@@ -20,6 +20,7 @@ from .._export.trace import export_training_model, graph_name
 from .._graph.autocast import cast_outputs, lower_precision
 from .._graph.batch_norm import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
+from .._graph.cpu_low_precision import low_precision_in_fp32
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
                                     outputs_reaching, outputs_read_by_backward)
@@ -63,6 +64,7 @@ class ModuleGraph:
                      and parameters[by_graph_name[name]].requires_grad]
         weights_as_inputs(exported, weights)
         declare_torch_node_outputs(exported)
+        widened = device_type == "cpu" and low_precision_in_fp32(exported)
         if compute_dtype is not None:
             differentiable = trainable + [i.name for i in exported.graph.input
                                           if needs_grad and i.name in values and values[i.name].requires_grad]
@@ -78,7 +80,7 @@ class ModuleGraph:
         built = build_module_graph(
             exported, weights + aliases, trainable, requiring_grad, outputs, schema.shapes, trains=needs_grad,
             severity=settings.ort_severity, compute_optimizer=settings.compute_optimizer,
-            propagate_casts=compute_dtype is None,
+            propagate_casts=compute_dtype is None and not widened,
             pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
             log=lambda message: _info(settings, message))
         model_proto = built.model
@@ -144,9 +146,11 @@ class ModuleGraph:
 
 
 def _info(settings, message, *args):
-    """A line for the `ort_trainer.ortmodule` logger, at LogLevel INFO and below."""
+    """A line for the `ort_trainer.ortmodule` logger's handlers, at LogLevel INFO and below: the
+    ORTModule's DebugOptions decide, not the logger's level (WARNING unless configured), as the
+    original's log_level set its logger's."""
     if settings.log_level <= LogLevel.INFO:
-        LOGGER.info("ORTModule: " + message, *args)
+        LOGGER.handle(LOGGER.makeRecord(LOGGER.name, logging.INFO, __file__, 0, "ORTModule: " + message, args, None))
 
 
 def _path(settings, stage, *, training):

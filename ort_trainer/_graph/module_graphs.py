@@ -2,7 +2,11 @@
 fixed export (forward and gradient in one graph, split by a YieldOp; or the forward alone for calls
 without gradients), and what the autograd Function must know of the result: which outputs the
 backward reads, which gradients each output reaches."""
+import contextlib
+import os
 import re
+import sys
+import tempfile
 from dataclasses import dataclass
 
 import onnx
@@ -92,8 +96,9 @@ def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trai
         transformers.optimized_pre_grad_filepath = pre_grad_path
     builder = C.OrtModuleGraphBuilder()
     try:
-        builder.initialize(exported.SerializeToString(), config)
-        builder.build(transformers)
+        with _native_output_held(hold=int(severity) >= int(C.Severity.ERROR)):
+            builder.initialize(exported.SerializeToString(), config)
+            builder.build(transformers)
     except RuntimeError as error:
         duplicate = _DUPLICATE_GRADIENT.search(str(error))
         if duplicate is not None:
@@ -107,6 +112,32 @@ def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trai
             raise
         raise missing from error
     return builder
+
+
+@contextlib.contextmanager
+def _native_output_held(*, hold):
+    """ONNX Runtime's own stderr (its default logger's warnings, e.g. "Removing initializer ...
+    It is not used by any node", about the builder's passes over a graph the user did not write)
+    held back while `hold`, and written out if the block raises: at the default log level, as the
+    original ORTModule, the user sees ORT's output only with an error."""
+    if not hold:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            sys.stderr.flush()
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 _DUPLICATE_GRADIENT = re.compile(r"Duplicate definition of name \((.+?)_grad\)")
