@@ -71,6 +71,19 @@ def int64_constant(name, value):
         name, onnx.TensorProto.INT64, dims, values))
 
 
+def float_constant(name, value):
+    """A Constant node (named as its output): an fp32 scalar."""
+    return onnx.helper.make_node("Constant", [], [name], name=name, value=onnx.numpy_helper.from_array(
+        np.array(value, np.float32), name))
+
+
+def torch_node_params_of(node):
+    """The params of a torch node (`torch_node`); {} for another node."""
+    if node.domain != TORCH_NODE_DOMAIN:
+        return {}
+    return json.loads(node_attributes(node).get("overload_name", b"").decode() or "{}")
+
+
 def inferred_tensors(model):
     """{tensor name: (element type, dims)} by ONNX shape inference; a dim is its size, its symbolic
     name, or None when unknown. The inference runs on a stand-in of the graph (`_inference_nodes`)

@@ -725,6 +725,53 @@ def test_an_inference_export_keeps_the_activation_op(name, op):
     assert op in {node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node}
 
 
+def _rrelu_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 40), nn.RReLU(0.1, 0.3), nn.Linear(40, 3))
+
+
+def test_rrelu_trains_with_torchs_own_slopes_in_orttrainer():
+    """Training-mode RReLU: each negative element's slope drawn by torch's kernel from torch's
+    generator (the same draws as eager under the same seed), its gradient those slopes; eval_step
+    uses the fixed slope (lower + upper) / 2, as torch's eval."""
+    model, batch = _rrelu_model(), (torch.randn(8, 6), torch.randn(8, 3))
+    reference = copy.deepcopy(model)
+    trainer = trainer_for(model, {"inputs": [("x", ["batch", 6]), ("y", ["batch", 3])],
+                                  "outputs": [("loss", [], True), ("output", ["batch", 3])]})
+    sgd = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(4):
+        torch.manual_seed(step)
+        loss = trainer.train_step(*batch)[0]
+        torch.manual_seed(step)
+        sgd.zero_grad()
+        expected = mse(reference(batch[0]), batch[1])
+        expected.backward()
+        sgd.step()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6), step
+    for ours, theirs in zip(trainer.model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=1e-5, atol=1e-6)
+    reference.eval()
+    assert trainer.eval_step(*batch)[0].item() == pytest.approx(mse(reference(batch[0]), batch[1]).item(), rel=1e-6)
+
+
+def test_rrelu_in_an_ortmodule_draws_what_eager_draws(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    model, x = _rrelu_model(), torch.randn(8, 6)
+    reference, wrapped = copy.deepcopy(model), ORTModule(model)
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        ours = wrapped(x)
+        torch.manual_seed(seed)
+        expected = reference(x)
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)  # other draws: slopes 0.1 to 0.3
+        ours.square().sum().backward()
+        expected.square().sum().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+    wrapped.eval(), reference.eval()
+    torch.testing.assert_close(wrapped(x), reference(x), rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------- CumSum's gradient (registered)
 def test_cumsum_trains_like_torch():
     desc = {"inputs": [("x", ["batch", 5]), ("y", ["batch", 5])],

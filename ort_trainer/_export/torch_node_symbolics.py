@@ -25,6 +25,7 @@ TORCH_OP_PREFIX = "ort_trainer::"
 ADAPTIVE_AVG_POOL = TORCH_OP_PREFIX + "adaptive_avg_pool"
 FUNCTION = TORCH_OP_PREFIX + "function"
 DETACH = TORCH_OP_PREFIX + "detach"
+RRELU_SLOPES = "ops.aten.rrelu_with_noise_functional"  # the FUNCTION whose output 1 is nn.RReLU's slopes
 
 # Losses the exporter refuses -> (leading tensors, the index of `reduction` among the constant
 # arguments, the unreduced loss's shape: "elementwise" (the inputs') or "rows" (one per row)).
@@ -71,7 +72,7 @@ FUNCTIONS = {
 def torch_node_symbolics():
     """(aten op, symbolic, opset) of the symbolics writing torch nodes."""
     return (*((f"aten::adaptive_avg_pool{dims}d", _adaptive_avg_pool(dims), 9) for dims in (1, 2, 3)),
-            ("aten::detach", _detach, 9), ("aten::pad", _pad, 11),
+            ("aten::detach", _detach, 9), ("aten::pad", _pad, 11), ("aten::rrelu", _rrelu, 9),
             *((f"aten::{name}", _recurrent(name), 9) for name in ("rnn_tanh", "rnn_relu", "gru", "lstm")),
             *((f"aten::{name}", _function(name, default, tensors, function), opset)
               for name, (default, opset, tensors, function) in FUNCTIONS.items()))
@@ -117,6 +118,22 @@ def _pad(g, x, pad, mode, value):
         raise SymbolicValueError(f"F.pad(mode={torch_mode!r}): the pads must be constants", x)
     return _torch_node(g, FUNCTION, [x], rank=symbolic_helper._get_tensor_rank(x), function="nn.functional.pad",
                        args=[pads, torch_mode], kwargs={})
+
+
+@symbolic_helper.parse_args("v", "f", "f", "i", "none")
+def _rrelu(g, x, lower, upper, training, generator):
+    """nn.RReLU in training: the slope of each negative element drawn by torch's own kernel
+    (`rrelu_with_noise`, from torch's generator: torch.manual_seed reproduces eager's draws) in a
+    torch node no gradient goes through, then x * slopes, whose gradient is those same slopes, as
+    torch's (its symbolic's PRelu has no ONNX Runtime gradient). ORTTrainer's eval graph gets the
+    fixed slope instead (`_graph.fixes.disable_training_mode`)."""
+    if not (GLOBALS.export_training and training):
+        return symbolic_opset9.rrelu(g, x, lower, upper, training, generator)
+    # the second input is the noise buffer torch's kernel fills: any tensor of x's shape
+    _, slopes = _torch_node(g, FUNCTION, [x, x], rank=None, outputs=2, function=RRELU_SLOPES,
+                            args=[lower, upper, True], kwargs={}, stop_gradient=[0, 1])
+    slopes.setType(x.type())
+    return g.op("Mul", x, slopes)
 
 
 def _recurrent(name):
@@ -226,7 +243,7 @@ def _function(name, default, tensors, function):
             _, reduction, unreduced = _LOSSES[name]
             params["shape"] = unreduced if params["args"][reduction] == 0 else "scalar"
             rank = {"scalar": 0, "rows": 1}.get(params["shape"], rank)
-        if name in _WITH_INDICES and (name != "median" or constants):
+        if name in WITH_INDICES and (name != "median" or constants):
             return _values_and_indices(g, inputs[0], rank, params)
         if name == "median":  # of all the values: a 0-d value only
             rank = 0
@@ -241,7 +258,7 @@ def _function(name, default, tensors, function):
     return symbolic
 
 
-_WITH_INDICES = frozenset({"cummax", "cummin", "median", "kthvalue", "mode"})
+WITH_INDICES = frozenset({"cummax", "cummin", "median", "kthvalue", "mode"})
 
 
 def _values_and_indices(g, x, rank, params):

@@ -5,7 +5,9 @@ training mode turned off."""
 import onnx
 
 from .._export.symbolics import MARKER_DOMAIN
-from .._onnx import computed_from, inferred_tensors, int64_constant, node_attributes, parameters_as_inputs
+from .._export.torch_node_symbolics import RRELU_SLOPES
+from .._onnx import (computed_from, float_constant, inferred_tensors, int64_constant, node_attributes,
+                     parameters_as_inputs, set_nodes, torch_node_params_of)
 from .gradients import cumsum_as_inclusive, extrema_differentiable, flips_as_gathers, register_gradients
 from .missing_gradient import MissingGradientError
 from .normalization import decompose_instance_normalization, inference_batch_norm_as_primitives
@@ -38,12 +40,13 @@ def add_second_outputs(model):
 
 def disable_training_mode(model):
     """Dropout off, BatchNormalization in inference mode (on the running statistics, without the
-    outputs of their update).
+    outputs of their update), RReLU's fixed slope.
 
     Dropout becomes Identity, which ORT then removes (its training build keeps inference-mode
     Dropout nodes, each a copy), unless something reads its mask; then it loses its
     training_mode input."""
     read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+    rrelu_slopes_fixed(model)
     for node in model.graph.node:
         if node.op_type == "Dropout" and not read.intersection(node.output[1:]):
             node.op_type = "Identity"
@@ -56,6 +59,24 @@ def disable_training_mode(model):
                     attribute.i = 0
             if not read.intersection(node.output[1:]):  # the running statistics it would update
                 del node.output[1:]
+
+
+def rrelu_slopes_fixed(model):
+    """The torch node drawing nn.RReLU's slopes (`_export.torch_node_symbolics._rrelu`) becomes the
+    slopes of eval mode, in place: 1 where x > 0, else (lower + upper) / 2, as torch's eval computes."""
+    nodes = []
+    for node in model.graph.node:
+        params = torch_node_params_of(node)
+        if params.get("function") != RRELU_SLOPES:
+            nodes.append(node)
+            continue
+        lower, upper, _ = params["args"]
+        p, slopes = node.output[1] + "__eval_", node.output[1]
+        nodes += [float_constant(p + "zero", 0.0), float_constant(p + "one", 1.0),
+                  float_constant(p + "slope", (lower + upper) / 2),
+                  onnx.helper.make_node("Greater", [node.input[0], p + "zero"], [p + "positive"]),
+                  onnx.helper.make_node("Where", [p + "positive", p + "one", p + "slope"], [slopes])]
+    set_nodes(model.graph, nodes)
 
 
 def _same_known_shape(dims, other):

@@ -8,10 +8,9 @@ import json
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 from onnxruntime.capi import _pybind_state as C
 
-from .._onnx import constant_values, int64_constant
+from .._onnx import constant_values, float_constant, int64_constant
 from .autocast import element_types
 
 
@@ -103,7 +102,7 @@ def extrema_differentiable(model):
         nodes += [onnx.helper.make_node(node.op_type, list(node.input), [extremum], keepdims=1,
                                         **({"axes": axes} if axes is not None else {})),
                   onnx.helper.make_node("Equal", [x, extremum], [at]),
-                  _float_constant(zero, 0.0), _float_constant(one, 1.0),
+                  float_constant(zero, 0.0), float_constant(one, 1.0),
                   onnx.helper.make_node("Where", [at, x, zero], [f"{name}__kept"]),
                   onnx.helper.make_node("Where", [at, one, zero], [f"{name}__each"])]
         axes_input = node.input[1] if len(node.input) > 1 else None  # opset 18: axes as an input
@@ -113,10 +112,6 @@ def extrema_differentiable(model):
         nodes.append(onnx.helper.make_node("Div", [f"{name}__kept_sum", f"{name}__each_sum"], [node.output[0]]))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-
-
-def _float_constant(name, value):
-    return onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.float32)))
 
 
 def flips_as_gathers(model):

@@ -5,7 +5,7 @@ import json
 
 import onnx
 
-from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
+from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX, WITH_INDICES
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import in_operand_order, inferred_tensors, node_attributes
 
@@ -143,9 +143,10 @@ def declare_torch_node_outputs(model):
             if params.get("function") in _RECURRENT:  # (output, h_n[, c_n]): the initial states' shapes
                 for state, (_, dims) in zip(node.output[1:], inputs[1:]):
                     set_value_info(model, state, element_type, dims)
-            else:
-                for indices in node.output[1:]:  # (values, indices) functions: int64, the values' shape
-                    set_value_info(model, indices, onnx.TensorProto.INT64, shape)
+            else:  # (values, indices) functions: int64, the values' shape; RReLU's slopes: the values'
+                for second in node.output[1:]:
+                    set_value_info(model, second, onnx.TensorProto.INT64 if params.get("function") in WITH_INDICES
+                                   else element_type, shape)
             declared = True
         if not declared:
             return

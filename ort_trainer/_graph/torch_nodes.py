@@ -192,6 +192,8 @@ def register_torch_node_gradients(model):
         stop = {params["operands"].index(k) if "operands" in params else k for k in params.get("stop_gradient", ())}
         if stop:
             C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{operator}::{overload}", stop)
+        if len(stop) == len(node.input):  # RReLU's slopes: nothing differentiable
+            continue
         inputs = [f"GO({k})" for k in range(params.get("differentiable_outputs", 1))]
         inputs += [f"I({k})" for k in range(len(node.input))]
         C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", [
