@@ -14,7 +14,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 from .missing_gradient import missing_gradient
-from .torch_nodes import missing_output_gradients_as_zeros
+from .torch_nodes import finish_torch_node_gradients
 
 _ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
                torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE,
@@ -70,7 +70,7 @@ def build_module_graph(exported, initializers, trainable, requiring_grad, output
         compute_optimizer = False
     info = builder.get_graph_info()
     model = onnx.load_from_string(builder.get_gradient_model() if trains else builder.get_forward_model())
-    missing_output_gradients_as_zeros(model)
+    finish_torch_node_gradients(model)
     return BuiltModuleGraph(
         model=model, differentiated=requiring_grad + trainable,
         non_differentiable=list(info.output_grad_indices_non_differentiable) if trains else [],

@@ -5,10 +5,11 @@
   and ops on the gradient path that ONNX Runtime cannot differentiate become torch nodes
   (`gradients_through_torch`: einsum, atan, floor, det, ...); their gradients,
   torch nodes too, are registered with the gradient builder per node parameters
-  (`register_torch_node_gradients`), one gradient node per input; `Tensor.detach`'s input is
-  registered as a stop-gradient edge. The builder drops a gradient
-  node whose input needs no gradient, but fails when input 0 is one of those and another input
-  needs one: einsum's operands are reordered so that one that needs a gradient is first.
+  (`register_torch_node_gradients`): one node computing every input's gradient in one autograd
+  pass (its outputs compacted to the inputs the builder wants: `finish_torch_node_gradients`), or,
+  for bf16 products, one per input; `Tensor.detach`'s input is registered as a stop-gradient edge.
+  The builder keeps a per-input gradient node only where input 0 needs a gradient (it checks the
+  node's output position, 0): operands are reordered so that one that needs a gradient is first.
 - In built training graphs for the CPU, the gradient nodes its provider has no kernel for
   (`ResizeGrad`, `ConvTransposeGrad`) become torch's backward (`substitute_torch_kernels`).
 """
@@ -19,7 +20,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import node_attributes, onnx_opset, set_nodes, torch_node, torch_node_params
+from .._onnx import node_attributes, onnx_opset, set_nodes, torch_node, torch_node_params, torch_node_params_of
 from .torch_node_shapes import EINSUM, declare_torch_node_outputs
 
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
@@ -30,9 +31,13 @@ FUNCTION_GRAD = TORCH_OP_PREFIX + "function_grad"
 PRODUCT = TORCH_OP_PREFIX + "bf16_product"  # `_graph.torch_products`
 PRODUCT_GRAD = TORCH_OP_PREFIX + "bf16_product_grad"
 
-#: forward operator -> its gradient's operator (one node per input, `input` added to the params)
+#: forward operator -> its gradient's operator
 GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD, FUNCTION: FUNCTION_GRAD,
              PRODUCT: PRODUCT_GRAD}
+#: forward operators whose gradient is one node for all inputs (one autograd pass of the forward
+#: recomputed); the others (a product's) get one node per input, `input` added to the params
+ONE_PASS_GRADIENTS = frozenset({EINSUM, ADAPTIVE_AVG_POOL, FUNCTION})
+ONE_PASS_GRADIENT_OPERATORS = frozenset(GRADIENTS[operator] for operator in ONE_PASS_GRADIENTS)
 
 # ONNX Resize (mode, coordinate_transformation_mode, nearest_mode) as torch exports F.interpolate:
 # -> (torch mode by input rank, align_corners)
@@ -196,9 +201,32 @@ def register_torch_node_gradients(model):
             continue
         inputs = [f"GO({k})" for k in range(params.get("differentiable_outputs", 1))]
         inputs += [f"I({k})" for k in range(len(node.input))]
-        C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", [
-            _gradient_node(GRADIENTS[operator], inputs, [f"GI({k})"], {**params, "input": k})
-            for k in range(len(node.input)) if k not in stop])
+        if operator in ONE_PASS_GRADIENTS:  # output k: input k's gradient, "" where the builder needs none
+            definition = [_gradient_node(GRADIENTS[operator], inputs, [f"GI({k})" for k in range(len(node.input))],
+                                         params)]
+        else:
+            definition = [_gradient_node(GRADIENTS[operator], inputs, [f"GI({k})"], {**params, "input": k})
+                          for k in range(len(node.input)) if k not in stop]
+        C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", definition)
+
+
+def finish_torch_node_gradients(model):
+    """After the gradient builder, in place: each one-pass gradient node lists the inputs whose
+    gradients it computes (`params['wanted']`) and outputs those only (the builder leaves the others'
+    outputs empty: the executor cannot tell them apart); gradients of torch nodes' outputs that
+    nothing computes become zeros (`missing_output_gradients_as_zeros`)."""
+    for node in model.graph.node:
+        operator = node_attributes(node).get("operator", b"").decode() if node.domain == DOMAIN else ""
+        if operator in ONE_PASS_GRADIENT_OPERATORS:
+            params = torch_node_params_of(node)
+            params["wanted"] = [k for k, name in enumerate(node.output) if name]
+            kept = [name for name in node.output if name]
+            del node.output[:]
+            node.output.extend(kept)
+            for attribute in node.attribute:
+                if attribute.name == "overload_name":
+                    attribute.s = torch_node_params(params).encode()
+    missing_output_gradients_as_zeros(model)
 
 
 def missing_output_gradients_as_zeros(model):

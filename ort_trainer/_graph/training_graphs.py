@@ -13,7 +13,7 @@ from .fixes import (builder_fixes_after_optimization, disable_training_mode, pad
                     prepare_for_gradient, weights_as_inputs)
 from .missing_gradient import missing_gradient
 from .torch_node_shapes import declare_torch_node_outputs
-from .torch_nodes import missing_output_gradients_as_zeros
+from .torch_nodes import finish_torch_node_gradients
 
 LOSS_SCALE_INPUT = "__loss_scale"
 # Ops that draw from ONNX Runtime's default generator (ORT's fused forms of Dropout included).
@@ -68,7 +68,7 @@ def _gradient_graph(model, trainable, loss_name, options, *, recompute=None, low
             raise
         raise missing from error
     training = onnx.load_from_string(builder.get_model())
-    missing_output_gradients_as_zeros(training)
+    finish_torch_node_gradients(training)
     if recompute is not None:
         recompute.schedule(training, plan)
     return training

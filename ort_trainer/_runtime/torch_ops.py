@@ -106,6 +106,35 @@ def _function(inputs, params):
     return list(result) if isinstance(result, tuple) else [result]  # (values, indices) as torch returns them
 
 
+def _input_gradients(forward):
+    """The one-pass gradient node of `forward` (inputs: the gradients of the forward's first
+    `differentiable_outputs` outputs, then the forward's inputs): the gradients of the inputs
+    params['wanted'] lists, in that order, by one autograd pass of the forward recomputed at these
+    inputs. Where the forward is not differentiable in one of them (a loss's target, which ONNX
+    Runtime may ask a gradient for), each input's gradient is computed alone."""
+    one_input = _input_gradient(forward)
+
+    def gradients(inputs, params):
+        count, wanted = params.get("differentiable_outputs", 1), params["wanted"]
+        grads, operands = inputs[:count], list(inputs[count:])
+        floating = [k for k in wanted if operands[k].is_floating_point()]  # an integer input: zeros
+        for k in floating:
+            operands[k] = operands[k].detach().requires_grad_(True)
+        with torch.enable_grad():
+            try:
+                outputs = forward(operands, params)[:count]
+            except RuntimeError as error:
+                if "is not differentiable with respect to argument" not in str(error):
+                    raise
+                return [one_input(inputs, {**params, "input": k})[0] for k in wanted]
+        pairs = [(output, grad) for output, grad in zip(outputs, grads) if output.requires_grad]
+        found = torch.autograd.grad([output for output, _ in pairs], [operands[k] for k in floating],
+                                    [grad for _, grad in pairs], allow_unused=True) if pairs and floating else []
+        by_input = dict(zip(floating, found))
+        return [torch.zeros_like(operands[k]) if by_input.get(k) is None else by_input[k] for k in wanted]
+    return gradients
+
+
 def _input_gradient(forward):
     """The gradient node of `forward` for input params['input'] (inputs: the gradients of the
     forward's first `differentiable_outputs` outputs (1 by default: the values of (values, indices)),
@@ -135,9 +164,9 @@ def _input_gradient(forward):
 #: operator -> implementation(list of input tensors, params) -> list of output tensors
 IMPLEMENTATIONS = {
     RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
-    EINSUM: _einsum, EINSUM_GRAD: _input_gradient(_einsum),
-    ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradient(_adaptive_avg_pool),
-    FUNCTION: _function, FUNCTION_GRAD: _input_gradient(_function),
+    EINSUM: _einsum, EINSUM_GRAD: _input_gradients(_einsum),
+    ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradients(_adaptive_avg_pool),
+    FUNCTION: _function, FUNCTION_GRAD: _input_gradients(_function),
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
     PRODUCT: product, PRODUCT_GRAD: product_gradient, MATRIX_PRODUCT: matrix_product,
 }
