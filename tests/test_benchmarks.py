@@ -73,3 +73,14 @@ def test_ortmodule_benchmark_compares_the_products_in_torch_with_onnx_runtimes(t
     assert set(result["median_ms"]) == {"eager", "ortmodule", "ortmodule_loss", "ortrainer", "ortmodule_ort_products",
                                         "ortrainer_ort_products"}
     assert result["torch_products"] == {}  # products this small are not measured
+
+
+def test_recurrent_benchmark_runs(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/recurrent_step.py", "--vocab", "30", "--width", "8", "--hidden", "6",
+         "--batch", "3", "--seq", "5", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(out.read_text())["median_ms"]) == {"eager", "ortmodule", "ortrainer"}

@@ -529,6 +529,19 @@ def test_ortrainer_trains_in_step_with_torch(case):
     assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
 
 
+@pytest.mark.parametrize("case", ["lstm bidirectional two layers reading h_n and c_n", "gru bidirectional"])
+def test_ortrainer_trains_a_recurrent_layer_over_a_dynamic_batch(case):
+    """A dynamic batch exports the zero initial states as ConstantOfShape (h_0 and c_0 one tensor):
+    with one gradient node per input, the builder defined that tensor's gradient twice and failed."""
+    make, shape = CASES[case]
+    model, batches = make(), _batches(shape)
+    expected = _eager_losses(copy.deepcopy(model), batches)
+    desc = {"inputs": [("x", ["batch", *shape[1:]]), ("target", ["batch"])], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options={"utils": {"grad_norm_clip": False}})
+    assert_losses_close([trainer.train_step(x, target).item() for x, target in batches], expected)
+
+
 @pytest.mark.parametrize("case", ["bilinear x1.5", "conv_transpose2d", "einsum activations", "einsum input first",
                                   "adaptive_avg_pool2d", "function erfinv", "function atan", "function cumprod",
                                   "function detach", "function straight-through", "function no_grad", "function cummax",

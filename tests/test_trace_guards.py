@@ -116,6 +116,24 @@ def test_an_attribute_forward_writes_does_not_compile_every_call(no_fallback):
     assert len(wrapped._graphs) == 1
 
 
+def test_an_optimizer_step_on_weights_an_attribute_also_holds_does_not_compile_again(no_fallback):
+    """nn.LSTM keeps its parameters in `_flat_weights` too: their in-place update by the optimizer
+    compiled a new graph on every step (the weights are graph inputs, read on every call)."""
+    torch.manual_seed(0)
+    model = nn.LSTM(3, 4, bidirectional=True, batch_first=True)
+    reference, x = copy.deepcopy(model), torch.randn(2, 5, 3)
+    wrapped = ORTModule(model)
+    ours, theirs = torch.optim.Adam(model.parameters(), lr=0.1), torch.optim.Adam(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        for module, optimizer in ((wrapped, ours), (reference, theirs)):
+            optimizer.zero_grad()
+            module(x)[0].square().sum().backward()
+            optimizer.step()
+    assert len(wrapped._graphs) == 1
+    for mine, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_branch_on_tensor_values_runs_in_pytorch_with_a_warning():
     model = Branchy()
     wrapped, x = ORTModule(copy.deepcopy(model)), torch.randn(4, 2)

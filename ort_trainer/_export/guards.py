@@ -29,7 +29,8 @@ class ModuleState:
 
     `read()` gives (flags, attributes): every module's train/eval flag; every module's hooks and
     plain attributes, and the attributes of the objects they hold (a Hugging Face config), frozen
-    into hashable values, tensors by identity and version (in-place changes count). Attributes
+    into hashable values, tensors by identity and version (in-place changes count; the model's own
+    parameters and buffers by identity alone: the graph reads them on every call). Attributes
     that forward() itself writes (`forgets`) are left out: they change on every call, and no trace
     could depend on them staying put. About 1 ms for a BERT-base (233 modules)."""
 
@@ -38,7 +39,11 @@ class ModuleState:
         self._written = set()
 
     def read(self):
-        objects, flags = {}, []
+        # the model's parameters and buffers, wherever an attribute holds them too (nn.LSTM's
+        # _flat_weights): graph inputs read on every call, so by identity (an optimizer step is
+        # an in-place change)
+        objects = {id(tensor): ("weight", id(tensor)) for tensor in (*self._model.parameters(), *self._model.buffers())}
+        flags = []
         attributes = [tuple(tuple(hooks) for hooks in _GLOBAL_HOOKS)]
         for index, module in enumerate(self._model.modules()):
             own = module.__dict__
@@ -60,11 +65,12 @@ class ModuleState:
 
 
 def _frozen(value, objects, depth=0):
-    """A hashable stand-in for `value` that changes when it does (`objects`: memo by identity)."""
+    """A hashable stand-in for `value` that changes when it does (`objects`: memo by identity; the
+    model's weights are in it)."""
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value._version)
+        return objects.get(id(value)) or ("tensor", id(value), value._version)
     if isinstance(value, (tuple, list, dict)) and len(value) <= _MAX_ITEMS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         return (type(value), tuple((key, _frozen(item, objects, depth + 1)) for key, item in items))

@@ -20,8 +20,8 @@ from .autocast import element_types
 _LOW = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 _FLOAT = onnx.TensorProto.FLOAT
 # Ops whose result is their inputs' values moved, picked or compared, or a constant: exact in any float type.
-_EXACT = frozenset({"Constant", "ConstantOfShape", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Expand", "Tile", "Concat",
-                    "Split", "Slice", "Gather", "GatherElements", "GatherND", "Max", "Min", "ReduceMax", "ReduceMin",
+_EXACT = frozenset({"Constant", "ConstantOfShape", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
+                    "Transpose", "Expand", "Tile", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Max", "Min", "ReduceMax", "ReduceMin",
                     "Relu", "Neg", "Abs", "Where", "MaxPool", "TopK", "DepthToSpace", "SpaceToDepth"})
 # Ops that write their result's type from an attribute: fp32 instead, then the round trip.
 _TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape", "RandomNormal", "RandomUniform",
