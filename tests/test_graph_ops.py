@@ -20,6 +20,7 @@ from torch.onnx.errors import SymbolicValueError
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._export.symbolics import our_symbolics
+from ort_trainer._export.trace import ExportError
 from ort_trainer._graph.fixes import expand_broadcast_inputs
 from ort_trainer._graph.missing_gradient import MissingGradientError, torch_module
 from ort_trainer._graph.normalization import decompose_instance_normalization
@@ -770,6 +771,19 @@ def test_rrelu_in_an_ortmodule_draws_what_eager_draws(monkeypatch):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
     wrapped.eval(), reference.eval()
     torch.testing.assert_close(wrapped(x), reference(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_random_op_with_its_own_generator_is_refused_by_name(monkeypatch):
+    """torch's exporter itself fails on a Generator constant; the error says what to change."""
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+    class OwnGenerator(nn.Module):
+        def forward(self, x):
+            return torch.rrelu(x, 0.1, 0.3, True, torch.Generator().manual_seed(0))
+
+    with pytest.raises(ExportError, match=r"a torch\.Generator passed to a random op, e\.g\. torch\.rrelu\(\.\.\., "
+                                        r"generator=g\), cannot be traced: draw from the default generator"):
+        ORTModule(OwnGenerator())(torch.randn(3, 4, requires_grad=True))
 
 
 # ---------------------------------------------------------------- CumSum's gradient (registered)

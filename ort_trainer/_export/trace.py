@@ -119,7 +119,11 @@ def _describe_export_failure(error):
     message = str(error).split("\n", 1)[0]
     operator = re.search(r"'((?:aten|prim|onnx)::\w+)'", message)
     where = f" at operator {operator.group(1)}" if operator else ""
-    return f"exporting the model to ONNX failed{where}: {type(error).__name__}: {message}"
+    hint = ""
+    if "Unsupported prim::Constant kind: 'ival'" in message and "Generator" in str(error):
+        hint = (" (a torch.Generator passed to a random op, e.g. torch.rrelu(..., generator=g), cannot be traced: "
+                "draw from the default generator, which torch.manual_seed seeds)")
+    return f"exporting the model to ONNX failed{where}: {type(error).__name__}: {message}{hint}"
 
 
 def export_eval_model(wrapper, input_names, output_names, sample_inputs, input_specs, dynamic_dims, opset_version):
