@@ -84,3 +84,14 @@ def test_recurrent_benchmark_runs(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert set(json.loads(out.read_text())["median_ms"]) == {"eager", "ortmodule", "ortrainer"}
+
+
+def test_low_precision_model_benchmark_runs(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/low_precision_model.py", "--layers", "1", "--width", "16", "--heads", "2",
+         "--vocab", "40", "--batch", "2", "--block", "8", "--threads", "1", "--rounds", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(out.read_text())["median_ms"]) == {"eager fp32", "eager bfloat16", "ortmodule bfloat16",
+                                                              "ortmodule fp32"}
