@@ -691,6 +691,10 @@ ACTIVATIONS = {
     "softplus_beta": lambda h: nn.functional.softplus(h, beta=2.0, threshold=5.0), "mish": nn.functional.mish,
     "hardsigmoid": nn.functional.hardsigmoid, "hardswish": nn.functional.hardswish,
     "prelu": nn.PReLU(6, init=0.3),  # a trained slope per channel
+    "relu6": nn.ReLU6(), "hardtanh": nn.Hardtanh(-1.0, 2.0),
+    # exactly at the bounds (x - x.detach() is 0 with a gradient of 1): torch's hardtanh passes no
+    # gradient there, ONNX Runtime's Clip gradient passed it
+    "relu6 at its bounds": lambda h: nn.functional.relu6(h - h.detach()) + nn.functional.relu6(h - h.detach() + 6) + h,
 }
 
 
@@ -709,15 +713,28 @@ class LinearThen(nn.Module):
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 def test_activation_without_an_ort_gradient_trains_like_torch(name):
     """ONNX Runtime 1.19 has no gradient for PRelu, Elu, Celu, Selu, Softplus (Mish), HardSigmoid
-    and HardSwish: a training export writes them with ops it differentiates."""
+    and HardSwish, and its Clip gradient is torch.clamp's, not hardtanh's (ReLU6's): a training
+    export writes them with ops it differentiates as torch does."""
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 6])],
             "outputs": [("loss", [], True), ("output", ["batch", 6])]}
     # far into both tails (exp(100) overflows fp32): the left-out branch of a Where gives no NaN gradient
     assert_trains_like_torch(LinearThen(ACTIVATIONS[name], scale=100.0), desc, batches((4, 6), (4, 6)))
 
 
+@pytest.mark.parametrize("activation", [nn.ReLU6(), nn.Hardtanh(-1.0, 6.0)], ids=["relu6", "hardtanh"])
+def test_an_ortmodule_hardtanh_passes_no_gradient_at_its_bounds(monkeypatch, activation):
+    """A ReLU6 after zeros (an eval-mode BatchNorm with zero bias, zero padding) sits at its bound:
+    MobileNetV2's BatchNorm biases got gradients 27-52% off with ONNX Runtime's Clip gradient."""
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    ours, expected = (torch.tensor([-1.0, 0.0, 3.0, 6.0, 7.0], requires_grad=True) for _ in range(2))
+    ORTModule(activation)(ours).sum().backward()
+    activation(expected).sum().backward()
+    assert ours.grad.tolist() == expected.grad.tolist()
+
+
 @pytest.mark.parametrize("name, op", [("elu", "Elu"), ("selu", "Selu"), ("softplus", "Softplus"),
-                                      ("hardswish", "HardSwish"), ("prelu", "PRelu")])
+                                      ("hardswish", "HardSwish"), ("prelu", "PRelu"), ("relu6", "Clip"),
+                                      ("hardtanh", "Clip")])
 def test_an_inference_export_keeps_the_activation_op(name, op):
     buffer = io.BytesIO()
     with our_symbolics():

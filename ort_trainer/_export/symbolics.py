@@ -6,7 +6,8 @@ import threading
 
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import registration, symbolic_opset9, symbolic_opset12, symbolic_opset14
+from torch.onnx._internal.torchscript_exporter import (registration, symbolic_opset9, symbolic_opset11,
+                                                       symbolic_opset12, symbolic_opset14)
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 from torch.onnx.errors import SymbolicValueError
 
@@ -153,7 +154,28 @@ def _prelu(g, x, weight):
     return g.op("Where", g.op("Greater", x, _constant(g, 0.0)), x, g.op("Mul", weight, x))
 
 
-_ACTIVATIONS = (("prelu", _prelu, 9), ("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9),
+@symbolic_helper.parse_args("v", "f", "f")
+def _hardtanh(g, x, min_val, max_val):
+    """hardtanh and relu6 (which traces as hardtanh): torch's symbolic writes Clip, whose ONNX Runtime
+    gradient passes the gradient at the bounds (torch.clamp's rule); torch's hardtanh passes none
+    there, and a ReLU6 after zeros sits at its bound 0 often (MobileNet's BatchNorm biases got
+    gradients 27% off). So x where min < x < max, else the bound (x itself for NaN), by Where."""
+    if not GLOBALS.export_training:
+        return symbolic_opset11.hardtanh(g, x, min_val, max_val)
+    dtype = torch.onnx.JitScalarType.from_value(x, torch.onnx.JitScalarType.FLOAT).dtype()
+    low, high = (g.op("Constant", value_t=torch.tensor(value, dtype=dtype)) for value in (min_val, max_val))
+    below_high = g.op("Where", g.op("Less", x, high), x, high)
+    at_or_below_low = g.op("Where", g.op("LessOrEqual", x, low), low, x)  # NaN stays NaN
+    return g.op("Where", g.op("Greater", x, low), below_high, at_or_below_low)
+
+
+def _relu6(g, x):
+    if not GLOBALS.export_training:
+        return symbolic_opset11.relu6(g, x)
+    return _hardtanh(g, x, 0.0, 6.0)
+
+
+_ACTIVATIONS = (("prelu", _prelu, 9), ("hardtanh", _hardtanh, 11), ("relu6", _relu6, 11), ("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9),
                 ("softplus", _softplus, 9),
                 ("mish", _mish, 9), ("hardsigmoid", _hardsigmoid, 9), ("hardswish", _hardswish, 14))
 

@@ -1,12 +1,14 @@
 """ORTTrainer's compiled graphs: the training and eval sessions of one input signature, bound to
 the flat parameter and gradient buffers through IOBinding (no per-step copies)."""
 import numpy as np
+import onnx
 import onnxruntime
 import torch
 from onnxruntime.capi import _pybind_state as C
 
 from .._graph.cpu_kernels import target_out_of_range
 from .._graph.fixes import NO_GRADIENT_SUFFIX
+from .._onnx import inferred_tensors
 from .memory import TORCH_TO_NUMPY
 from .sessions import seed_random_ops
 from .torch_ops import raising_torch_op_errors
@@ -16,6 +18,19 @@ _ORT_TYPE_TO_TORCH = {
     "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32,
     "tensor(int8)": torch.int8, "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool,
 }
+
+
+def _output_shape(shape, name, graph):
+    """The concrete shape of output `name` (the graphs have the signature's input shapes): ONNX
+    Runtime's, or where its inference left a dim symbolic (it does after some Where chains of
+    a training graph), ONNX's inference of `graph` (serialized)."""
+    if all(isinstance(dim, int) for dim in shape):
+        return shape
+    inferred = inferred_tensors(onnx.load_from_string(graph)).get(name, (0, None))[1]
+    if inferred is None or not all(isinstance(dim, int) for dim in inferred):
+        raise RuntimeError(f"the shape of graph output {name!r} is not known at this input signature: ONNX Runtime "
+                           f"inferred {shape}, ONNX {inferred}")
+    return list(inferred)
 
 
 class CompiledGraph:
@@ -50,12 +65,14 @@ class CompiledGraph:
 
     def _session(self, training):
         if training not in self._bound:
-            session = self._sessions.create(self._graphs.pop(training))
+            graph = self._graphs.pop(training)
+            session = self._sessions.create(graph)
             binding = session.io_binding()
             graph_inputs = {i.name for i in session.get_inputs()}
             self._weights.bind(binding, graph_inputs, self._sessions.placement)
             outputs = {o.name: o for o in session.get_outputs()}
-            specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], outputs[name].shape) for name in self._fetched[training]]
+            specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], _output_shape(outputs[name].shape, name, graph))
+                     for name in self._fetched[training]]
             self._bound[training] = (session, binding, graph_inputs, specs)
         return self._bound[training]
 
