@@ -721,15 +721,19 @@ def test_activation_without_an_ort_gradient_trains_like_torch(name):
     assert_trains_like_torch(LinearThen(ACTIVATIONS[name], scale=100.0), desc, batches((4, 6), (4, 6)))
 
 
-@pytest.mark.parametrize("activation", [nn.ReLU6(), nn.Hardtanh(-1.0, 6.0)], ids=["relu6", "hardtanh"])
-def test_an_ortmodule_hardtanh_passes_no_gradient_at_its_bounds(monkeypatch, activation):
-    """A ReLU6 after zeros (an eval-mode BatchNorm with zero bias, zero padding) sits at its bound:
-    MobileNetV2's BatchNorm biases got gradients 27-52% off with ONNX Runtime's Clip gradient."""
+@pytest.mark.parametrize("activation", [nn.ReLU6(), nn.Hardtanh(-1.0, 6.0), nn.Hardsigmoid(), nn.Hardswish()],
+                         ids=["relu6", "hardtanh", "hardsigmoid", "hardswish"])
+def test_an_ortmodule_piecewise_activation_has_torchs_gradient_at_its_kinks(monkeypatch, activation):
+    """torch's rules at the kinks: none of the pieces' gradients at hardtanh's (ReLU6's) and
+    hardsigmoid's bounds, hardswish's outer pieces' at -3 and 3. A ReLU6 after zeros (an
+    eval-mode BatchNorm with zero bias, zero padding) sits at its bound: MobileNetV2's BatchNorm
+    biases got gradients 27-52% off with ONNX Runtime's Clip gradient."""
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
-    ours, expected = (torch.tensor([-1.0, 0.0, 3.0, 6.0, 7.0], requires_grad=True) for _ in range(2))
+    ours, expected = (torch.tensor([-4.0, -3.0, -1.0, 0.0, 2.0, 3.0, 6.0, 7.0], requires_grad=True)
+                      for _ in range(2))
     ORTModule(activation)(ours).sum().backward()
     activation(expected).sum().backward()
-    assert ours.grad.tolist() == expected.grad.tolist()
+    torch.testing.assert_close(ours.grad, expected.grad, rtol=1e-6, atol=1e-7)  # hardswish's x / 3 + 1/2: rounding
 
 
 @pytest.mark.parametrize("name, op", [("elu", "Elu"), ("selu", "Selu"), ("softplus", "Softplus"),

@@ -57,8 +57,9 @@ def _symbolics():
 
 
 # Activations ONNX Runtime 1.19 has no gradient for (PRelu, Elu, Celu, Selu, Softplus and so Mish,
-# HardSigmoid, HardSwish): in a training export, the same function from ops it differentiates
-# (Relu, Exp, Log, Where, Tanh, arithmetic); an inference export (export_onnx) keeps torch's op.
+# HardSigmoid, HardSwish) or whose Clip gradient is not torch's at the bounds (hardtanh, ReLU6): in a
+# training export, the same function from ops it differentiates as torch does (Relu, Exp, Log,
+# Where, Tanh, Clip, arithmetic); an inference export (export_onnx) keeps torch's op.
 # Exp reads min(x, 0) (softplus: min(beta x, threshold)): the branch Where leaves out must not
 # overflow, or its gradient, multiplied by Where's zero, would be NaN.
 def _constant(g, value):
@@ -122,23 +123,20 @@ def _mish(g, x):
     return g.op("Mul", x, g.op("Tanh", _softplus_of(g, x)))
 
 
-def _hardsigmoid_of(g, x):
-    """relu6(x + 3) / 6 as (relu(x + 3) - relu(x - 3)) / 6."""
-    above = g.op("Relu", g.op("Add", x, _constant(g, 3.0)))
-    rising = g.op("Sub", above, g.op("Relu", g.op("Sub", x, _constant(g, 3.0))))
-    return g.op("Div", rising, _constant(g, 6.0))
-
-
 def _hardsigmoid(g, x):
+    """hardtanh(x + 3, 0, 6) / 6: no gradient at x = -3 and 3, as torch's."""
     if not GLOBALS.export_training:
         return symbolic_opset9.hardsigmoid(g, x)
-    return _hardsigmoid_of(g, x)
+    return g.op("Div", _hardtanh(g, g.op("Add", x, _constant(g, 3.0)), 0.0, 6.0), _constant(g, 6.0))
 
 
 def _hardswish(g, x):
+    """x * hardtanh(x + 3, 0, 6) / 6: the gradient x / 3 + 1/2 strictly between -3 and 3, 0 at
+    -3 and 1 at 3, as torch's."""
     if not GLOBALS.export_training:
         return symbolic_opset14.hardswish(g, x)
-    return g.op("Mul", x, _hardsigmoid_of(g, x))
+    clipped = _hardtanh(g, g.op("Add", x, _constant(g, 3.0)), 0.0, 6.0)
+    return g.op("Div", g.op("Mul", x, clipped), _constant(g, 6.0))
 
 
 def _prelu(g, x, weight):
@@ -175,9 +173,9 @@ def _relu6(g, x):
     return _hardtanh(g, x, 0.0, 6.0)
 
 
-_ACTIVATIONS = (("prelu", _prelu, 9), ("hardtanh", _hardtanh, 11), ("relu6", _relu6, 11), ("elu", _elu, 9), ("celu", _celu, 12), ("selu", _selu, 9),
-                ("softplus", _softplus, 9),
-                ("mish", _mish, 9), ("hardsigmoid", _hardsigmoid, 9), ("hardswish", _hardswish, 14))
+_ACTIVATIONS = (("prelu", _prelu, 9), ("hardtanh", _hardtanh, 11), ("relu6", _relu6, 11), ("elu", _elu, 9),
+                ("celu", _celu, 12), ("selu", _selu, 9), ("softplus", _softplus, 9), ("mish", _mish, 9),
+                ("hardsigmoid", _hardsigmoid, 9), ("hardswish", _hardswish, 14))
 
 
 def _extremum_at_index(g, x, dim, keepdim, *, arg_op):
