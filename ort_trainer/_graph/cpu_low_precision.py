@@ -7,10 +7,10 @@ Each fp16/bf16 input, weight and constant is read through a Cast to fp32; each n
 result becomes a round trip: the node computes in fp32, a Cast to the model's type and one back
 to fp32 feed the nodes that read it. A graph output is that fp32 result cast to its type at the
 end (a gradient it receives from outside and one from the graph's own readers add up in fp32).
-Ops that move or pick values (Reshape, Gather, Max, ...) round nothing
-and need no round trip. The gradient of a Cast is a Cast back, so gradients are rounded at the
-same places and come out in the inputs' types. ONNX Runtime's cast propagation must stay off, or
-it folds the round trips away (`build_module_graph`'s `propagate_casts`).
+Ops that move or pick values (Reshape, Gather, Max, ...) round nothing and need no round trip.
+The gradient of a Cast is a Cast back, so gradients are rounded at the same places and come out
+in the inputs' types. ONNX Runtime's cast propagation must stay off, or it folds the round trips
+away (`build_module_graph`'s `propagate_casts`).
 """
 import onnx
 
@@ -21,9 +21,10 @@ _LOW = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 _FLOAT = onnx.TensorProto.FLOAT
 # Ops whose result is their inputs' values moved, picked or compared, or a constant: exact in any float type.
 _EXACT = frozenset({"Constant", "ConstantOfShape", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
-                    "Transpose", "Expand", "Tile", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND", "Max", "Min", "ReduceMax", "ReduceMin",
-                    "Relu", "Neg", "Abs", "Where", "MaxPool", "TopK", "DepthToSpace", "SpaceToDepth"})
-# Ops that write their result's type from an attribute: fp32 instead, then the round trip.
+                    "Transpose", "Expand", "Tile", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND",
+                    "Max", "Min", "ReduceMax", "ReduceMin", "Relu", "Neg", "Abs", "Where", "MaxPool", "TopK",
+                    "DepthToSpace", "SpaceToDepth"})
+# Ops that write their result's type from an attribute: fp32 instead (then rounded, unless _EXACT).
 _TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape", "RandomNormal", "RandomUniform",
                                  "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli"})
 
