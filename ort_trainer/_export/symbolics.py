@@ -51,7 +51,8 @@ def _symbolics():
     return (("aten::diff", _diff, 9), ("aten::cumsum", _cumsum, 11),  # ONNX CumSum: opset 11
             ("aten::scaled_dot_product_attention", _attention, 14), ("aten::embedding", _embedding, 9),
             ("aten::cross_entropy_loss", _cross_entropy, 12), ("aten::movedim", _movedim, 9),
-            ("aten::rms_norm", _rms_norm, 9), ("aten::max", _max, 9), ("aten::min", _min, 9),
+            ("aten::rms_norm", _rms_norm, 9), ("aten::max", _extremum(symbolic_opset9.max, "ArgMax"), 9),
+            ("aten::min", _extremum(symbolic_opset9.min, "ArgMin"), 9),
             *((f"aten::{name}", symbolic, opset) for name, symbolic, opset in _ACTIVATIONS),
             *torch_node_symbolics())
 
@@ -192,16 +193,14 @@ def _extremum_at_index(g, x, dim, keepdim, *, arg_op):
     return symbolic_helper._squeeze_helper(g, values, [dim]), symbolic_helper._squeeze_helper(g, indices, [dim])
 
 
-def _max(g, x, dim_or_y=None, keepdim=None):
-    if not GLOBALS.export_training or keepdim is None:  # max(x), max(x, y): their gradients are torch's
-        return symbolic_opset9.max(g, x, dim_or_y, keepdim)
-    return _extremum_at_index(g, x, dim_or_y, keepdim, arg_op="ArgMax")
-
-
-def _min(g, x, dim_or_y=None, keepdim=None):
-    if not GLOBALS.export_training or keepdim is None:
-        return symbolic_opset9.min(g, x, dim_or_y, keepdim)
-    return _extremum_at_index(g, x, dim_or_y, keepdim, arg_op="ArgMin")
+def _extremum(default, arg_op):
+    """The symbolic of aten::max or aten::min: torch's for max(x) and max(x, y), whose gradients
+    are torch's; in a training export, `_extremum_at_index` for max(x, dim, keepdim)."""
+    def symbolic(g, x, dim_or_y=None, keepdim=None):
+        if not GLOBALS.export_training or keepdim is None:
+            return default(g, x, dim_or_y, keepdim)
+        return _extremum_at_index(g, x, dim_or_y, keepdim, arg_op=arg_op)
+    return symbolic
 
 
 @symbolic_helper.parse_args("v", "t", "t")

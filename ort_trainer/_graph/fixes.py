@@ -64,19 +64,21 @@ def disable_training_mode(model):
 def rrelu_slopes_fixed(model):
     """The torch node drawing nn.RReLU's slopes (`_export.torch_node_symbolics._rrelu`) becomes the
     slopes of eval mode, in place: 1 where x > 0, else (lower + upper) / 2, as torch's eval computes."""
-    nodes = []
+    nodes, fixed = [], False
     for node in model.graph.node:
         params = torch_node_params_of(node)
         if params.get("function") != RRELU_SLOPES:
             nodes.append(node)
             continue
+        fixed = True
         lower, upper, _ = params["args"]
         p, slopes = node.output[1] + "__eval_", node.output[1]
         nodes += [float_constant(p + "zero", 0.0), float_constant(p + "one", 1.0),
                   float_constant(p + "slope", (lower + upper) / 2),
                   onnx.helper.make_node("Greater", [node.input[0], p + "zero"], [p + "positive"]),
                   onnx.helper.make_node("Where", [p + "positive", p + "one", p + "slope"], [slopes])]
-    set_nodes(model.graph, nodes)
+    if fixed:
+        set_nodes(model.graph, nodes)
 
 
 def _same_known_shape(dims, other):

@@ -1,13 +1,12 @@
 """The types and shapes of torch nodes' outputs (`declare_torch_node_outputs`): ONNX and ONNX
 Runtime infer none for an ATen node, so they are computed here from the inputs' inferred shapes and
 the node's parameters, per torch operator and function."""
-import json
 
 import onnx
 
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX, WITH_INDICES
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import in_operand_order, inferred_tensors, node_attributes
+from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_params_of
 
 EINSUM = TORCH_OP_PREFIX + "einsum"  # `_graph.torch_nodes`
 
@@ -129,7 +128,7 @@ def declare_torch_node_outputs(model):
             if element_type and known is not None and all(isinstance(d, int) for d in known):
                 continue
             attributes = node_attributes(node)
-            params = json.loads(attributes["overload_name"].decode() or "{}")
+            params = torch_node_params_of(node)
             shape_of = _SHAPES.get(attributes["operator"].decode())
             inputs = in_operand_order([tensors.get(name, (0, None)) for name in node.input], params)
             shape = None

@@ -168,7 +168,7 @@ def _reordered_function(node, reached):
     attributes = node_attributes(node)
     if attributes["operator"].decode() != FUNCTION or not node.input or node.input[0] in reached:
         return None
-    params = json.loads(attributes["overload_name"].decode())
+    params = torch_node_params_of(node)
     inputs, operands = reached_first(list(node.input), reached)
     return torch_node(FUNCTION, inputs, list(node.output), name=node.name, params={**params, "operands": operands})
 
@@ -214,7 +214,7 @@ def finish_torch_node_gradients(model):
     """After the gradient builder, in place: each one-pass gradient node lists the inputs whose
     gradients it computes (`params['wanted']`) and outputs those only (the builder leaves the others'
     outputs empty: the executor cannot tell them apart); gradients of torch nodes' outputs that
-    nothing computes become zeros (`missing_output_gradients_as_zeros`)."""
+    nothing computes become zeros (`_missing_output_gradients_as_zeros`)."""
     for node in model.graph.node:
         operator = node_attributes(node).get("operator", b"").decode() if node.domain == DOMAIN else ""
         if operator in ONE_PASS_GRADIENT_OPERATORS:
@@ -226,10 +226,10 @@ def finish_torch_node_gradients(model):
             for attribute in node.attribute:
                 if attribute.name == "overload_name":
                     attribute.s = torch_node_params(params).encode()
-    missing_output_gradients_as_zeros(model)
+    _missing_output_gradients_as_zeros(model)
 
 
-def missing_output_gradients_as_zeros(model):
+def _missing_output_gradients_as_zeros(model):
     """A torch node's gradient reads the gradient of each of its differentiable outputs, and the
     builder names it (`<output>_grad`) even where nothing computes it (the h_n of an nn.RNN the loss
     does not read): those gradients become zeros of the output's shape (in place)."""

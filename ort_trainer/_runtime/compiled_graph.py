@@ -20,17 +20,24 @@ _ORT_TYPE_TO_TORCH = {
 }
 
 
-def _output_shape(shape, name, graph):
-    """The concrete shape of output `name` (the graphs have the signature's input shapes): ONNX
-    Runtime's, or where its inference left a dim symbolic (it does after some Where chains of
-    a training graph), ONNX's inference of `graph` (serialized)."""
-    if all(isinstance(dim, int) for dim in shape):
-        return shape
-    inferred = inferred_tensors(onnx.load_from_string(graph)).get(name, (0, None))[1]
-    if inferred is None or not all(isinstance(dim, int) for dim in inferred):
-        raise RuntimeError(f"the shape of graph output {name!r} is not known at this input signature: ONNX Runtime "
-                           f"inferred {shape}, ONNX {inferred}")
-    return list(inferred)
+def _concrete(shape):
+    return shape is not None and all(isinstance(dim, int) for dim in shape)
+
+
+def _output_shapes(shapes, graph):
+    """The concrete shapes of the graph's outputs ({name: shape}; the graphs have the signature's
+    input shapes): ONNX Runtime's, or where its inference left a dim symbolic (it does after some
+    Where chains of a training graph), ONNX's inference of `graph` (serialized), run once."""
+    if all(_concrete(shape) for shape in shapes.values()):
+        return shapes
+    inferred = inferred_tensors(onnx.load_from_string(graph))
+    concrete = {}
+    for name, shape in shapes.items():
+        concrete[name] = shape if _concrete(shape) else inferred.get(name, (0, None))[1]
+        if not _concrete(concrete[name]):
+            raise RuntimeError(f"the shape of graph output {name!r} is not known at this input signature: ONNX "
+                               f"Runtime inferred {shape}, ONNX {concrete[name]}")
+    return concrete
 
 
 class CompiledGraph:
@@ -71,8 +78,8 @@ class CompiledGraph:
             graph_inputs = {i.name for i in session.get_inputs()}
             self._weights.bind(binding, graph_inputs, self._sessions.placement)
             outputs = {o.name: o for o in session.get_outputs()}
-            specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], _output_shape(outputs[name].shape, name, graph))
-                     for name in self._fetched[training]]
+            shapes = _output_shapes({name: outputs[name].shape for name in self._fetched[training]}, graph)
+            specs = [(_ORT_TYPE_TO_TORCH[outputs[name].type], shapes[name]) for name in self._fetched[training]]
             self._bound[training] = (session, binding, graph_inputs, specs)
         return self._bound[training]
 
