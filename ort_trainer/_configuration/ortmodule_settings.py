@@ -3,7 +3,8 @@ of ONNX Runtime's ORTModule (read once, when an ORTModule is created; the variab
 DebugOptions, as in the original).
 
 Implemented: ORTMODULE_ONNX_OPSET_VERSION, ORTMODULE_FALLBACK_POLICY, ORTMODULE_LOG_LEVEL,
-ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER. The others of the original are
+ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER, ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT
+(1: a model computed through custom autograd.Functions is refused, so it runs in PyTorch). The others of the original are
 accepted at the value that matches what this ORTModule does and refused, by name, at any value
 that asks for a feature it lacks (`_REFUSED`); other `ORTMODULE_*` variables get a warning that
 they are not read.
@@ -17,12 +18,11 @@ _OPSETS = range(14, 18)  # those our symbolics and graph fixes are tested on (OR
 DEFAULT_OPSET = 14
 
 # Variable -> (value that matches this ORTModule, why any other value is refused).
-_PYTHON_OP = ("custom torch.autograd.Functions are not run as PythonOps inside the graph here: a model whose "
-              "outputs need the backward of one runs in PyTorch (the fallback)")
 _REFUSED = {
-    "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": ("0", _PYTHON_OP),
-    "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT": ("1", _PYTHON_OP),
-    "ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": ("", _PYTHON_OP),
+    "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": ("0", "reentrant torch.utils.checkpoint is refused here"),
+    "ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": ("", "every custom torch.autograd.Function runs its own forward and "
+                                             "backward inside the graph: inlining one would differentiate its "
+                                             "forward instead of running its backward"),
     "ORTMODULE_ENABLE_SPARSE_OPTIMIZER": ("0", "the input-sparsity optimizations (embedding and label padding "
                                           "removal) are not implemented"),
     "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": ("0", "the embedding-sparsity optimization is not implemented"),
@@ -30,7 +30,8 @@ _REFUSED = {
     "ORTMODULE_PRINT_MEMORY_STATS": ("0", "the memory inspector is not implemented"),
 }
 _READ = {"ORTMODULE_ONNX_OPSET_VERSION", "ORTMODULE_FALLBACK_POLICY", "ORTMODULE_LOG_LEVEL",
-         "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", *_REFUSED}
+         "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT",
+         *_REFUSED}
 
 
 class LogLevel(enum.IntEnum):
@@ -99,6 +100,7 @@ class Settings:
     opset: int
     fallback: FallbackPolicy
     compute_optimizer: bool
+    custom_functions: bool  # custom autograd.Functions run in the graph (else the model is refused: fallback)
     save_directory: str | None  # None: save nothing
     onnx_prefix: str
 
@@ -139,6 +141,7 @@ def settings(debug_options, environ=os.environ):
                              "for DebugOptions(save_onnx=True)")
     return Settings(log_level=_log_level(environ, debug_options.log_level), opset=_opset(environ),
                     fallback=_fallback(environ), compute_optimizer=_flag(environ, "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"),
+                    custom_functions=not _flag(environ, "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", default="0"),
                     save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix)
 
 
@@ -177,9 +180,9 @@ def _fallback(environ):
     return policy
 
 
-def _flag(environ, name):
-    """A 0/1 variable, default 1."""
-    value = environ.get(name, "1").strip()
+def _flag(environ, name, default="1"):
+    """A 0/1 variable."""
+    value = environ.get(name, default).strip()
     if value not in ("0", "1"):
         raise ValueError(f"{name}={value!r} must be 0 or 1")
     return value == "1"

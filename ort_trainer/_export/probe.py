@@ -96,10 +96,6 @@ def check_traceable(model, loss_fn, binding, desc, values):
     if layerdrop is not None:
         raise layerdrop
     declared, mutated = probe(model, loss_fn, binding, values, desc.output_names)
-    functions = custom_functions(declared, present_inputs(values)[1])
-    if functions:
-        raise custom_functions_refused(functions, "write their forward with differentiable torch operations, "
-                                       "or wrap the model in ORTModule, which runs such models in PyTorch")
     mutated = untracked_changes(model, mutated)  # BatchNorm running statistics: the trainer updates them
     if mutated:
         raise NotImplementedError(

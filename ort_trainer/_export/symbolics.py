@@ -11,6 +11,7 @@ from torch.onnx._internal.torchscript_exporter import (registration, symbolic_op
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 from torch.onnx.errors import SymbolicValueError
 
+from .autograd_functions import python_op
 from .torch_node_symbolics import torch_node_symbolics
 
 # Domain of the marker nodes our symbolics leave for `_graph.fixes` to rewrite (none reaches ORT).
@@ -54,6 +55,7 @@ def _symbolics():
             ("aten::rms_norm", _rms_norm, 9), ("aten::max", _extremum(symbolic_opset9.max, "ArgMax"), 9),
             ("aten::min", _extremum(symbolic_opset9.min, "ArgMin"), 9),
             *((f"aten::{name}", symbolic, opset) for name, symbolic, opset in _ACTIVATIONS),
+            ("prim::PythonOp", python_op, 1),  # reached in training exports only (no autograd inlining)
             *torch_node_symbolics())
 
 

@@ -13,6 +13,7 @@ import warnings
 import onnx
 import torch
 
+from .autograd_functions import AutogradFunctionRefused
 from .batch_norm import running_statistics_kept
 from .binding import BindingError, present_inputs, select_outputs, training_flags_kept
 from .guards import DataDependentTraceError, watch_data_dependence
@@ -77,7 +78,7 @@ def _export(module, args, **kwargs):
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
             torch.onnx.export(module, tuple(args), buffer, dynamo=False, do_constant_folding=False,
                               export_params=True, **kwargs)
-    except (ExportError, BindingError):
+    except (ExportError, BindingError, AutogradFunctionRefused):
         raise
     except Exception as error:
         raise ExportError(_describe_export_failure(error)) from error
@@ -98,7 +99,8 @@ def export_training_model(model, loss_fn, binding, output_names, values, opset_v
     with running_statistics_kept(model):
         return onnx.load_from_string(_export(
             wrapper, tensors, input_names=names, output_names=list(output_names), dynamic_axes=dynamic_axes,
-            training=torch.onnx.TrainingMode.PRESERVE, opset_version=opset_version))
+            training=torch.onnx.TrainingMode.PRESERVE, opset_version=opset_version,
+            autograd_inlining=False))  # custom autograd.Functions as torch nodes (`_export.autograd_functions`)
 
 
 def with_input_shapes(template, values):

@@ -4,6 +4,7 @@ the node's parameters, per torch operator and function."""
 
 import onnx
 
+from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX, WITH_INDICES
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_params_of
@@ -121,6 +122,7 @@ def declare_torch_node_outputs(model):
     re-derived at new shapes has lost its value_info). Shapes from the inputs' inferred ones; the
     type alone where those are unknown: input 0's, or the node's `output_type` parameter."""
     nodes = [node for node in model.graph.node if node.domain == DOMAIN]
+    _declare_autograd_function_outputs(model, nodes)
     for _ in range(len(nodes)):  # a torch node's shape may need an earlier one's
         tensors, declared = inferred_tensors(model), False
         for node in nodes:
@@ -128,6 +130,8 @@ def declare_torch_node_outputs(model):
             if element_type and known is not None and all(isinstance(d, int) for d in known):
                 continue
             attributes = node_attributes(node)
+            if attributes["operator"].decode() == AUTOGRAD_FUNCTION:
+                continue
             params = torch_node_params_of(node)
             shape_of = _SHAPES.get(attributes["operator"].decode())
             inputs = in_operand_order([tensors.get(name, (0, None)) for name in node.input], params)
@@ -149,6 +153,30 @@ def declare_torch_node_outputs(model):
             declared = True
         if not declared:
             return
+
+
+def _declare_autograd_function_outputs(model, nodes):
+    """The outputs of custom autograd.Functions' nodes (`_export.autograd_functions`): their traced
+    types; their traced shapes where the inputs have the traced shapes, else the shape of the input
+    an output was shaped as at the trace (the rank alone for others); the context number: int64, 0-d."""
+    calls = [node for node in nodes if node_attributes(node)["operator"].decode() == AUTOGRAD_FUNCTION]
+    if not calls:
+        return
+    tensors = inferred_tensors(model)
+    for node in calls:
+        params = torch_node_params_of(node)
+        operands = [None if dims is None else list(dims)
+                    for dims in in_operand_order([tensors.get(name, (0, None))[1] for name in node.input], params)]
+        for name, element_type, traced, shaped_as in zip(node.output, params["output_types"],
+                                                         params["output_shapes"], params["shaped_as"]):
+            if operands == params["input_shapes"] and all(shape is None or None not in shape for shape in operands):
+                shape = traced
+            elif shaped_as is not None and operands[shaped_as] is not None:
+                shape = operands[shaped_as]
+            else:
+                shape = [None] * len(traced)
+            set_value_info(model, name, element_type, shape)
+        set_value_info(model, node.output[-1], onnx.TensorProto.INT64, [])
 
 
 def set_value_info(model, name, element_type, shape):

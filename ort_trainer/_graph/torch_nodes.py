@@ -18,6 +18,7 @@ import json
 import onnx
 from onnxruntime.capi import _pybind_state as C
 
+from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import node_attributes, onnx_opset, set_nodes, torch_node, torch_node_params, torch_node_params_of
@@ -30,13 +31,14 @@ ADAPTIVE_AVG_POOL_GRAD = TORCH_OP_PREFIX + "adaptive_avg_pool_grad"
 FUNCTION_GRAD = TORCH_OP_PREFIX + "function_grad"
 PRODUCT = TORCH_OP_PREFIX + "bf16_product"  # `_graph.torch_products`
 PRODUCT_GRAD = TORCH_OP_PREFIX + "bf16_product_grad"
+AUTOGRAD_FUNCTION_GRAD = TORCH_OP_PREFIX + "autograd_function_grad"  # the Function's own backward
 
 #: forward operator -> its gradient's operator
 GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD, FUNCTION: FUNCTION_GRAD,
-             PRODUCT: PRODUCT_GRAD}
+             PRODUCT: PRODUCT_GRAD, AUTOGRAD_FUNCTION: AUTOGRAD_FUNCTION_GRAD}
 #: forward operators whose gradient is one node for all inputs (one autograd pass of the forward
 #: recomputed); the others (a product's) get one node per input, `input` added to the params
-ONE_PASS_GRADIENTS = frozenset({EINSUM, ADAPTIVE_AVG_POOL, FUNCTION})
+ONE_PASS_GRADIENTS = frozenset({EINSUM, ADAPTIVE_AVG_POOL, FUNCTION, AUTOGRAD_FUNCTION})
 ONE_PASS_GRADIENT_OPERATORS = frozenset(GRADIENTS[operator] for operator in ONE_PASS_GRADIENTS)
 
 # ONNX Resize (mode, coordinate_transformation_mode, nearest_mode) as torch exports F.interpolate:
@@ -118,6 +120,8 @@ def gradients_through_torch(model, trainable):
         if reached.intersection(node.input) and node.domain in ("", "ai.onnx"):
             replacement = (_einsum_node(node, reached) if node.op_type == "Einsum"
                            else _function_node(node, _as_torch_function(node, opset, reached), reached))
+        elif node.domain == DOMAIN and node_attributes(node)["operator"].decode() == AUTOGRAD_FUNCTION:
+            replacement = _autograd_function_node(node, reached)
         elif reached.intersection(node.input) and node.domain == DOMAIN:
             replacement = _reordered_function(node, reached)
         nodes.append(node if replacement is None else replacement)
@@ -173,6 +177,21 @@ def _reordered_function(node, reached):
     return torch_node(FUNCTION, inputs, list(node.output), name=node.name, params={**params, "operands": operands})
 
 
+def _autograd_function_node(node, reached):
+    """A custom autograd.Function's node (`_export.autograd_functions`) with the inputs that need
+    gradients first (`reached_first`) and listed in `needs_grad` (its ctx.needs_input_grad); None
+    where none does (it then runs without recording its backward)."""
+    if not reached.intersection(node.input):
+        return None
+    params = torch_node_params_of(node)
+    order = sorted(range(len(node.input)), key=lambda k: node.input[k] not in reached)
+    earlier = params.get("operands", range(len(node.input)))
+    operands = [earlier[k] for k in order]
+    inputs = [node.input[k] for k in order]
+    params = {**params, "operands": operands, "needs_grad": [k for k, name in enumerate(inputs) if name in reached]}
+    return torch_node(AUTOGRAD_FUNCTION, inputs, list(node.output), name=node.name, params=params)
+
+
 def replace_nodes(model, nodes):
     """`model`'s nodes become `nodes` (some of them torch nodes): their domain is imported."""
     set_nodes(model.graph, nodes)
@@ -199,8 +218,15 @@ def register_torch_node_gradients(model):
             C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{operator}::{overload}", stop)
         if len(stop) == len(node.input):  # RReLU's slopes: nothing differentiable
             continue
-        inputs = [f"GO({k})" for k in range(params.get("differentiable_outputs", 1))]
-        inputs += [f"I({k})" for k in range(len(node.input))]
+        if operator == AUTOGRAD_FUNCTION:  # its outputs' gradients, then its context
+            if not params["differentiable"] or not params.get("needs_grad"):
+                C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{operator}::{overload}",
+                                                      set(range(len(node.input))))
+                continue
+            inputs = [f"GO({k})" for k in params["differentiable"]] + [f"O({len(node.output) - 1})"]
+        else:
+            inputs = [f"GO({k})" for k in range(params.get("differentiable_outputs", 1))]
+            inputs += [f"I({k})" for k in range(len(node.input))]
         if operator in ONE_PASS_GRADIENTS:  # output k: input k's gradient, "" where the builder needs none
             definition = [_gradient_node(GRADIENTS[operator], inputs, [f"GI({k})" for k in range(len(node.input))],
                                          params)]
@@ -214,25 +240,28 @@ def finish_torch_node_gradients(model):
     """After the gradient builder, in place: each one-pass gradient node lists the inputs whose
     gradients it computes (`params['wanted']`) and outputs those only (the builder leaves the others'
     outputs empty: the executor cannot tell them apart); gradients of torch nodes' outputs that
-    nothing computes become zeros (`_missing_output_gradients_as_zeros`)."""
+    nothing computes become zeros (`_missing_output_gradients_as_zeros`); a custom autograd.Function's
+    gradient node lists those (`params['absent']`), which its backward does not get (as in eager)."""
+    zeros = _missing_output_gradients_as_zeros(model)
     for node in model.graph.node:
         operator = node_attributes(node).get("operator", b"").decode() if node.domain == DOMAIN else ""
         if operator in ONE_PASS_GRADIENT_OPERATORS:
             params = torch_node_params_of(node)
             params["wanted"] = [k for k, name in enumerate(node.output) if name]
+            if operator == AUTOGRAD_FUNCTION_GRAD:
+                params["absent"] = [j for j, name in enumerate(node.input[:-1]) if name in zeros]
             kept = [name for name in node.output if name]
             del node.output[:]
             node.output.extend(kept)
             for attribute in node.attribute:
                 if attribute.name == "overload_name":
                     attribute.s = torch_node_params(params).encode()
-    _missing_output_gradients_as_zeros(model)
 
 
 def _missing_output_gradients_as_zeros(model):
     """A torch node's gradient reads the gradient of each of its differentiable outputs, and the
     builder names it (`<output>_grad`) even where nothing computes it (the h_n of an nn.RNN the loss
-    does not read): those gradients become zeros of the output's shape (in place)."""
+    does not read): those gradients become zeros of the output's shape (in place). Returns their names."""
     graph = model.graph
     defined = {value.name for value in (*graph.input, *graph.initializer)} | {
         name for node in graph.node for name in node.output}
@@ -251,6 +280,7 @@ def _missing_output_gradients_as_zeros(model):
         nodes.append(node)
     if zeros:
         replace_nodes(model, nodes)
+    return zeros
 
 
 def _gradient_node(operator, inputs, outputs, params):

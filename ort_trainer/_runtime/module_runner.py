@@ -1,12 +1,14 @@
 """Runs one ORTModule graph: a `TrainingAgent` that runs the forward of a call and, when autograd
 asks, its backward from the state the forward kept (no recomputation), or an inference session
 for calls without gradients. Tensors cross to ONNX Runtime and back through DLPack (no copy)."""
+from typing import NamedTuple
+
 import torch
 from onnxruntime.capi import _pybind_state as C
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .sessions import seed_random_ops
-from .torch_ops import raising_torch_op_errors
+from .torch_ops import FunctionContexts, raising_torch_op_errors
 
 
 class ModuleRunner:
@@ -42,7 +44,8 @@ class ModuleRunner:
         return placement.returned(_torch_tensors(fetched))
 
     def run_forward(self, feeds):
-        """(outputs, state): the forward of a training call; `state` keeps what its backward reads.
+        """(outputs, state): the forward of a training call; `state` keeps what its backward reads
+        (ONNX Runtime's, and the contexts of the custom autograd.Functions that ran).
 
         The outputs are the graph's own (no copy): `_graph.module_graphs.forward_outputs_as_graph_outputs`
         keeps their memory out of the backward's reuse and out of the memory pattern, so they live
@@ -51,22 +54,30 @@ class ModuleRunner:
         state, fetched = C.PartialGraphExecutionState(), C.OrtValueVector()
         self._first_run.begin()
         self._seed()
-        with placement.step(), raising_torch_op_errors():
+        with placement.step(), raising_torch_op_errors() as contexts:
             self._agent.run_forward(_ort_values(feeds), fetched, state, None)
-        return placement.returned(_torch_tensors(fetched)), state
+        return placement.returned(_torch_tensors(fetched)), ForwardState(state, contexts)
 
     def run_backward(self, state, output_grads):
         """The backward's gradients, in the graph's order, from the gradients of the forward's
         outputs (`output_grads`: tensors, in output order)."""
         placement, fetched = self._sessions.placement, C.OrtValueVector()
         with placement.step(), raising_torch_op_errors():
-            self._agent.run_backward(_ort_values(output_grads), fetched, state)
+            self._agent.run_backward(_ort_values(output_grads), fetched, state.execution)
         self._first_run.end()  # of a training graph: its forward and backward
         return placement.returned(_torch_tensors(fetched))
 
     def _seed(self):
         if self._random:
             seed_random_ops()
+
+
+class ForwardState(NamedTuple):
+    """What a training call's backward reads: ONNX Runtime's state of the forward, and the custom
+    autograd.Function contexts the forward kept (freed with it when no backward comes)."""
+
+    execution: C.PartialGraphExecutionState
+    contexts: FunctionContexts
 
 
 def _ort_values(tensors):

@@ -17,6 +17,7 @@ Pure Python (ctypes), no compiled extension. What it must get right, each pinned
 import contextlib
 import ctypes
 import functools
+import itertools
 import json
 import threading
 
@@ -24,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
+from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
 from .._graph.cpu_products import MATRIX_PRODUCT
-from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM,
-                                  EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD)
+from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD,
+                                  DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD,
+                                  RESIZE_GRAD)
 from .._onnx import in_operand_order
 from .torch_products import convolution_args, matrix_product, product, product_gradient
 
@@ -161,6 +164,88 @@ def _input_gradient(forward):
     return gradient
 
 
+# The contexts of custom autograd.Functions that ran in a forward node, by number, until their
+# gradient node runs their backward or the run that made them is dropped (`FunctionContexts`).
+_contexts = {}
+_context_numbers = itertools.count(1)
+
+
+def _autograd_function(inputs, params):
+    """A custom autograd.Function's own forward (`_export.autograd_functions`), on copies of the
+    inputs (its ctx may keep them, and ONNX Runtime reuses their memory), recording its backward
+    when an input needs a gradient (`needs_grad`); outputs: its tensors, then the number of its
+    kept context. An output its ctx also keeps goes to ONNX Runtime as a copy (ONNX Runtime may
+    write over memory it owns)."""
+    call = function_call(params["call"])
+    needs = set(params.get("needs_grad", ()))
+    operands = [t.detach().clone().requires_grad_(k in needs and (t.is_floating_point() or t.is_complex()))
+                for k, t in enumerate(inputs)]
+    kept = set()
+
+    def pack(tensor):
+        kept.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.set_grad_enabled(bool(needs)), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = call.function.apply(*call.arguments(in_operand_order(operands, params)))
+    outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+    if len(outputs) != len(params["output_types"]) or not all(isinstance(t, torch.Tensor) for t in outputs):
+        raise TypeError(f"custom autograd.Function {call.name} returned {_kinds(outputs)} here, traced as "
+                        f"{len(params['output_types'])} tensors")
+    context = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
+    if context is not None:  # tensors set as ctx attributes
+        kept.update(t.untyped_storage().data_ptr() for t in vars(context).values() if isinstance(t, torch.Tensor))
+    number = 0
+    if needs:
+        number = next(_context_numbers)
+        _contexts[number] = (call.name, outputs, operands)
+        _created().append(number)
+    handed = [t.detach().clone() if t.untyped_storage().data_ptr() in kept else t.detach() for t in outputs]
+    return [*handed, torch.tensor(number, dtype=torch.int64)]
+
+
+def _kinds(values):
+    return "(" + ", ".join(type(value).__name__ for value in values) + ")"
+
+
+def _autograd_function_grad(inputs, params):
+    """The Function's own backward, on the ctx its forward node kept (inputs: the gradients of its
+    `differentiable` outputs, then the context's number): the gradients of the inputs `wanted`
+    lists, zeros where the backward gives None. Gradients nothing computed (`absent`) are not
+    passed: the backward gets what eager's would (zeros, or None after set_materialize_grads(False))."""
+    grads, number = inputs[:-1], int(inputs[-1])
+    if number not in _contexts:
+        raise RuntimeError(f"custom autograd.Function {params['function']}: no kept context numbered {number} (its "
+                           "forward ran without recording a backward, or the backward already ran)")
+    _, outputs, operands = _contexts.pop(number)
+    absent = set(params.get("absent", ()))
+    pairs = [(outputs[k], grad) for j, (k, grad) in enumerate(zip(params["differentiable"], grads))
+             if j not in absent and outputs[k].requires_grad]
+    sources = [k for k in params["wanted"] if operands[k].requires_grad]
+    found = torch.autograd.grad([output for output, _ in pairs], [operands[k] for k in sources],
+                                [grad for _, grad in pairs], allow_unused=True) if pairs and sources else []
+    by_input = dict(zip(sources, found))
+    return [torch.zeros_like(operands[k]) if by_input.get(k) is None else by_input[k] for k in params["wanted"]]
+
+
+def _created():
+    if not hasattr(_recorded, "contexts"):
+        _recorded.contexts = []
+    return _recorded.contexts
+
+
+class FunctionContexts:
+    """The custom autograd.Function contexts one run kept: those its backward did not take are
+    freed with this object (a forward whose backward never runs, an inference run)."""
+
+    def __init__(self):
+        self.numbers = []
+
+    def __del__(self):
+        for number in self.numbers:
+            _contexts.pop(number, None)
+
+
 #: operator -> implementation(list of input tensors, params) -> list of output tensors
 IMPLEMENTATIONS = {
     RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
@@ -169,6 +254,7 @@ IMPLEMENTATIONS = {
     FUNCTION: _function, FUNCTION_GRAD: _input_gradients(_function),
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
     PRODUCT: product, PRODUCT_GRAD: product_gradient, MATRIX_PRODUCT: matrix_product,
+    AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
 
 
@@ -225,10 +311,14 @@ def take_errors():
 @contextlib.contextmanager
 def raising_torch_op_errors():
     """Around a run: a run that a failed torch node made fail raises TorchOpError naming the node's
-    torch implementation, chained to its exception (ONNX Runtime's own error is in the message)."""
+    torch implementation, chained to its exception (ONNX Runtime's own error is in the message).
+    Yields the run's `FunctionContexts` (filled when the run ends): keep it while a later run
+    (ORTModule's backward) may read them."""
     take_errors()
+    contexts, created = FunctionContexts(), _created()
+    start = len(created)
     try:
-        yield
+        yield contexts
     except Exception:  # ONNX Runtime's exception types vary with the failure
         errors = take_errors()
         if not errors:
@@ -236,3 +326,6 @@ def raising_torch_op_errors():
         operator, cause = errors[0]
         raise TorchOpError(f"the torch kernel {operator!r} inside the ONNX Runtime graph failed: "
                            f"{type(cause).__name__}: {cause}") from cause
+    finally:
+        contexts.numbers = created[start:]
+        del created[start:]

@@ -207,8 +207,9 @@ class ORTModule(torch.nn.Module):
             if changed:
                 raise NotImplementedError(f"the model changes buffers {changed} in its forward, which an ONNX Runtime "
                                           "graph cannot write back (BatchNorm running statistics excepted)")
-            if functions:
-                raise custom_functions_refused(functions, "they run in PyTorch under the default fallback policy")
+            if functions and not self._settings.custom_functions:
+                raise custom_functions_refused(functions, "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1: they run in "
+                                               "PyTorch under the default fallback policy")
             layerdrop = layerdrop_refused(model)
             if layerdrop is not None:
                 raise layerdrop

@@ -1,0 +1,128 @@
+"""Custom torch.autograd.Functions in training exports: each `Function.apply` is one torch node
+(`AUTOGRAD_FUNCTION`) that runs the Function's own forward, and its gradient node runs the
+Function's own backward on the same `ctx` (saved tensors, attributes, needs_input_grad,
+mark_non_differentiable, set_materialize_grads), as the original ORTModule's PythonOp did. The
+exporter would otherwise inline the forward, and the graph would differentiate that instead of
+running the backward the Function defines.
+
+A training export keeps the tracer's `prim::PythonOp` nodes (`autograd_inlining=False`, `_export.trace`);
+`python_op` turns each into a torch node. The Function, its calling convention and its constant
+arguments (anything but a tensor: numbers, None, modules, callables) stay in this process
+(`FUNCTION_CALLS`), named in the node by a number: a graph with such nodes runs only in the process
+that exported it. An inference export (`export_onnx`) inlines the Functions as torch does.
+"""
+import itertools
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.onnx._internal.torchscript_exporter import _type_utils
+
+from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
+
+AUTOGRAD_FUNCTION = "ort_trainer::autograd_function"
+
+
+class AutogradFunctionRefused(NotImplementedError):
+    """A custom autograd.Function called in a way a graph cannot reproduce; the message says what
+    to change."""
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """One `Function.apply(...)` of a trace: the Function, which arguments are tensors (`cconv`:
+    'd' a tensor, 'c' a constant, in call order) and the constants, in order."""
+
+    function: type
+    cconv: str
+    constants: tuple
+
+    @property
+    def name(self):
+        return f"{self.function.__module__}.{self.function.__qualname__}"
+
+    def arguments(self, tensors):
+        """apply's arguments: `tensors` and the constants interleaved as traced."""
+        tensors, constants = iter(tensors), iter(self.constants)
+        return [next(tensors) if kind == "d" else next(constants) for kind in self.cconv]
+
+
+_lock = threading.Lock()
+_numbers = itertools.count()
+#: the number a torch node names its call by -> FunctionCall (for the life of the process)
+FUNCTION_CALLS = {}
+
+
+def function_call(number):
+    """The FunctionCall a torch node names by `number`."""
+    call = FUNCTION_CALLS.get(number)
+    if call is None:
+        raise KeyError(f"no custom autograd.Function call numbered {number} in this process: a graph with "
+                       "autograd.Function nodes runs only in the process that exported it")
+    return call
+
+
+def _holds_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(item) for item in value.values())
+    return False
+
+
+def _shaped_as(output_shape, input_shape):
+    """Whether an output of the traced shape `output_shape` has the shape of an input traced as
+    `input_shape` (None: a dim left symbolic)."""
+    return input_shape is not None and len(output_shape) == len(input_shape) and all(
+        dim is None or dim == size for size, dim in zip(output_shape, input_shape))
+
+
+def python_op(g, *args, **attributes):
+    """The symbolic of `prim::PythonOp` (a custom autograd.Function's apply) in a training export:
+    one AUTOGRAD_FUNCTION torch node, inputs the tensor arguments, outputs the Function's tensor
+    outputs (typed and shaped as traced) and last its context's number (int64, read by the gradient
+    node). Refused: a tensor inside a list, tuple or dict argument (the trace would keep its values
+    as a constant) and a non-tensor output (the trace would keep the value of this call)."""
+    node = g.original_node
+    function = node.pyobj().__self__
+    call = FunctionCall(function, node.cconv(), tuple(node.scalar_args()))
+    if any(_holds_tensor(value) for value in call.constants):
+        raise AutogradFunctionRefused(
+            f"custom autograd.Function {call.name} gets a tensor inside a list, tuple or dict argument: a graph "
+            "would keep that tensor's values of this call as a constant. Pass each tensor as an argument of "
+            f"{function.__name__}.apply itself")
+    outputs = list(node.outputs())
+    tensors = [value for value in args if isinstance(value, torch._C.Value)]
+    shapes, types = [], []
+    for k, output in enumerate(outputs):
+        scalar_type = output.type().scalarType() if isinstance(output.type(), torch._C.TensorType) else None
+        sizes = output.type().varyingSizes() if scalar_type is not None else None
+        if scalar_type is None or sizes is None:
+            raise AutogradFunctionRefused(
+                f"custom autograd.Function {call.name} returns a non-tensor value at output {k}: a graph would keep "
+                "the value of the traced call for every call. Return tensors only (a number as a 0-d tensor), "
+                "or compute that value outside the Function")
+        shapes.append(list(sizes))
+        types.append(int(_type_utils.JitScalarType._from_name(scalar_type).onnx_type()))
+    with _lock:
+        number = next(_numbers)
+        FUNCTION_CALLS[number] = call
+    input_shapes = [value.type().varyingSizes() if isinstance(value.type(), torch._C.TensorType) else None
+                    for value in tensors]
+    floating = [k for k, output in enumerate(outputs)
+                if output.type().scalarType() in ("Float", "Double", "Half", "BFloat16")]
+    params = {"call": number, "function": call.name, "output_types": types, "output_shapes": shapes,
+              "input_shapes": [None if shape is None else list(shape) for shape in input_shapes],
+              # an output shaped as an input at the trace keeps that input's shape at other shapes
+              "shaped_as": [next((k for k, shape in enumerate(input_shapes) if _shaped_as(output_shape, shape)), None)
+                            for output_shape in shapes],
+              "differentiable": [k for k in floating if outputs[k].requiresGrad() is not False]}
+    results = g.op(f"{TORCH_NODE_DOMAIN}::ATen", *tensors, operator_s=AUTOGRAD_FUNCTION,
+                   overload_name_s=torch_node_params(params), outputs=len(outputs) + 1)
+    results = list(results) if isinstance(results, (list, tuple)) else [results]
+    for result, output in zip(results, outputs):
+        result.setType(output.type())
+    results[-1].setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
+    return tuple(results[:-1]) if len(outputs) > 1 else results[0]  # the context: read by the gradient alone
