@@ -72,11 +72,10 @@ def _holds_tensor(value):
     return False
 
 
-def _shaped_as(output_shape, input_shape):
-    """Whether an output of the traced shape `output_shape` has the shape of an input traced as
-    `input_shape` (None: a dim left symbolic)."""
-    return input_shape is not None and len(output_shape) == len(input_shape) and all(
-        dim is None or dim == size for size, dim in zip(output_shape, input_shape))
+def _input_dim(size, input_shapes, position):
+    """[input, dim] of the traced input dim of `size` (the same position first), else `size`."""
+    candidates = [(k, j) for k, shape in enumerate(input_shapes) for j, dim in enumerate(shape or ()) if dim == size]
+    return list(min(candidates, key=lambda kj: kj[1] != position)) if candidates else size
 
 
 def python_op(g, *args, **attributes):
@@ -109,15 +108,16 @@ def python_op(g, *args, **attributes):
     with _lock:
         number = next(_numbers)
         FUNCTION_CALLS[number] = call
+    # the traced sizes (the exporter's values may have symbolic dims already)
     input_shapes = [value.type().varyingSizes() if isinstance(value.type(), torch._C.TensorType) else None
-                    for value in tensors]
+                    for value in node.inputs()]
     floating = [k for k, output in enumerate(outputs)
                 if output.type().scalarType() in ("Float", "Double", "Half", "BFloat16")]
     params = {"call": number, "function": call.name, "output_types": types, "output_shapes": shapes,
               "input_shapes": [None if shape is None else list(shape) for shape in input_shapes],
-              # an output shaped as an input at the trace keeps that input's shape at other shapes
-              "shaped_as": [next((k for k, shape in enumerate(input_shapes) if _shaped_as(output_shape, shape)), None)
-                            for output_shape in shapes],
+              # at other input shapes: each output dim as the input dim of its traced size (else that size)
+              "output_dims": [[_input_dim(size, input_shapes, position) for position, size in enumerate(shape)]
+                              for shape in shapes],
               "differentiable": [k for k in floating if outputs[k].requiresGrad() is not False]}
     results = g.op(f"{TORCH_NODE_DOMAIN}::ATen", *tensors, operator_s=AUTOGRAD_FUNCTION,
                    overload_name_s=torch_node_params(params), outputs=len(outputs) + 1)

@@ -157,8 +157,9 @@ def declare_torch_node_outputs(model):
 
 def _declare_autograd_function_outputs(model, nodes):
     """The outputs of custom autograd.Functions' nodes (`_export.autograd_functions`): their traced
-    types; their traced shapes where the inputs have the traced shapes, else the shape of the input
-    an output was shaped as at the trace (the rank alone for others); the context number: int64, 0-d."""
+    types; their traced shapes where the inputs have the traced shapes, else each dim as the input
+    dim of its traced size (a graph re-derived at other shapes is proven against torch); the
+    context number: int64, 0-d."""
     calls = [node for node in nodes if node_attributes(node)["operator"].decode() == AUTOGRAD_FUNCTION]
     if not calls:
         return
@@ -167,16 +168,20 @@ def _declare_autograd_function_outputs(model, nodes):
         params = torch_node_params_of(node)
         operands = [None if dims is None else list(dims)
                     for dims in in_operand_order([tensors.get(name, (0, None))[1] for name in node.input], params)]
-        for name, element_type, traced, shaped_as in zip(node.output, params["output_types"],
-                                                         params["output_shapes"], params["shaped_as"]):
-            if operands == params["input_shapes"] and all(shape is None or None not in shape for shape in operands):
-                shape = traced
-            elif shaped_as is not None and operands[shaped_as] is not None:
-                shape = operands[shaped_as]
-            else:
-                shape = [None] * len(traced)
+        as_traced = operands == params["input_shapes"]
+        for name, element_type, traced, dims in zip(node.output, params["output_types"], params["output_shapes"],
+                                                    params["output_dims"]):
+            shape = traced if as_traced else [_operand_dim(operands, dim) for dim in dims]
             set_value_info(model, name, element_type, shape)
         set_value_info(model, node.output[-1], onnx.TensorProto.INT64, [])
+
+
+def _operand_dim(operands, dim):
+    """A dim of `output_dims`: a size, or [input, dim] read from the inputs' shapes (None: unknown)."""
+    if isinstance(dim, int):
+        return dim
+    shape = operands[dim[0]]
+    return shape[dim[1]] if shape is not None and dim[1] < len(shape) else None
 
 
 def set_value_info(model, name, element_type, shape):

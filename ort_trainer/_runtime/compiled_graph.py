@@ -11,6 +11,7 @@ from .._graph.fixes import NO_GRADIENT_SUFFIX
 from .._onnx import inferred_tensors
 from .memory import TORCH_TO_NUMPY
 from .sessions import seed_random_ops
+from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .torch_ops import raising_torch_op_errors
 
 _ORT_TYPE_TO_TORCH = {
@@ -61,6 +62,7 @@ class CompiledGraph:
         statistics = list(batch_statistics.outputs) if batch_statistics is not None else []
         self._fetched = {True: list(output_names) + statistics, False: list(output_names)}
         self._graphs = {True: training_graph, False: eval_graph}
+        self.runs_autograd_functions = AUTOGRAD_FUNCTION.encode() in training_graph  # custom Functions' nodes
         self._sessions = sessions
         self._weights = weights
         self._input_names = input_names

@@ -221,11 +221,9 @@ def _autograd_function_grad(inputs, params):
     absent = set(params.get("absent", ()))
     pairs = [(outputs[k], grad) for j, (k, grad) in enumerate(zip(params["differentiable"], grads))
              if j not in absent and outputs[k].requires_grad]
-    sources = [k for k in params["wanted"] if operands[k].requires_grad]
-    found = torch.autograd.grad([output for output, _ in pairs], [operands[k] for k in sources],
-                                [grad for _, grad in pairs], allow_unused=True) if pairs and sources else []
-    by_input = dict(zip(sources, found))
-    return [torch.zeros_like(operands[k]) if by_input.get(k) is None else by_input[k] for k in params["wanted"]]
+    if pairs:  # backward(), not grad(): reentrant torch.utils.checkpoint accepts no other
+        torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+    return [torch.zeros_like(operands[k]) if operands[k].grad is None else operands[k].grad for k in params["wanted"]]
 
 
 def _created():

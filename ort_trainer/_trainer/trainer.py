@@ -128,14 +128,12 @@ class ORTTrainer:
             accumulation = self.options.batch.gradient_accumulation_steps
             micro_step = self._train_step_info.step % accumulation
             flat = self._weights.flat
-            if micro_step == 0:
-                outputs = graph.run(inputs, training=True, grads=flat.grads)
-                self._distributed.reduce_gradients(flat.grads, accumulated=False)
-            else:
-                scratch = self._weights.scratch(self._placement)
-                outputs = graph.run(inputs, training=True, grads=scratch)
-                self._distributed.reduce_gradients(scratch, accumulated=False)
-                flat.grads += scratch
+            grads = flat.grads if micro_step == 0 else self._weights.scratch(self._placement)
+            with self._weights.gradients_from_the_graph_only(check=graph.runs_autograd_functions):
+                outputs = graph.run(inputs, training=True, grads=grads)
+            self._distributed.reduce_gradients(grads, accumulated=False)
+            if micro_step != 0:
+                flat.grads += grads
             self._train_step_info.step += 1
             if micro_step == accumulation - 1:
                 self._distributed.reduce_gradients(flat.grads, accumulated=True)

@@ -1,6 +1,7 @@
 """The trainer's weights: which parameters it trains (fixed when it is created), and what it lays out
 at its first compile: the flat parameter and gradient buffers, the optimizer over them, and the
 untrained weights the graphs read as they are."""
+import contextlib
 import warnings
 
 import torch
@@ -102,6 +103,28 @@ class TrainerWeights:
             with placement.allocating():
                 self._scratch = self.flat.grads.copy()
         return self._scratch
+
+    @contextlib.contextmanager
+    def gradients_from_the_graph_only(self, *, check):
+        """Around a training run (`check`: its graph runs custom autograd.Functions): a Function
+        whose backward sets the `.grad` of parameters the trainer would train itself (reentrant
+        torch.utils.checkpoint; a backward calling torch.autograd.backward on weights the Function
+        reads without taking them as arguments) is refused before the update: the trainer updates
+        the gradients its graph computes, and those weights would get none."""
+        if not check:
+            yield
+            return
+        trained = {name: p for name, p in self._model.named_parameters() if name not in self.untrained}
+        before = {name: (id(p.grad), p.grad._version if p.grad is not None else None) for name, p in trained.items()}
+        yield
+        changed = [name for name, p in trained.items()
+                   if (id(p.grad), p.grad._version if p.grad is not None else None) != before[name]]
+        if changed:
+            raise NotImplementedError(
+                f"a custom autograd.Function's backward set the .grad of parameters {_first(changed)} itself: "
+                "ORTTrainer updates the gradients its graph computes, and would not train them. Pass those "
+                "parameters to the Function's apply as arguments (its backward returning their gradients), "
+                "or train the model with ORTModule and a torch optimizer")
 
     def trained(self):
         """{torch name: parameter} of what the optimizer updates (before the first compile: every
