@@ -1,6 +1,7 @@
 """Before a trace: one probe forward of the model (and loss) in torch, which shows what a graph
-could not do right: buffers the forward changes, custom autograd.Functions on the way to the
-outputs, LayerDrop, model_desc's output shapes; the refusals that name them."""
+could not do right: buffers the forward changes, LayerDrop, model_desc's output shapes; the
+refusals that name them. It also finds the custom autograd.Functions on the way to the outputs
+(run inside the graph: `_export.autograd_functions`; refused where the user turned that off)."""
 import torch
 
 from .batch_norm import untracked_changes
@@ -14,8 +15,7 @@ def probe(model, loss_fn, binding, values, output_names):
 
     Returns (the declared outputs, names of buffers the forward changed). Binding and output
     errors surface here, before any export. A changed buffer other than BatchNorm running
-    statistics (`_export.batch_norm.untracked_changes`) is one no graph writes back, and the recorded autograd graph
-    shows custom autograd.Functions, whose backward the training graph would not run: the trainer
+    statistics (`_export.batch_norm.untracked_changes`) is one no graph writes back: the trainer
     refuses such models rather than train them silently wrong. Buffers and the RNG are restored.
     """
     names, tensors = present_inputs(values)
@@ -32,8 +32,8 @@ def probe_call(model, binding, values, grad=False):
 
 def custom_functions(tensors, inputs=()):
     """Names of the custom torch.autograd.Functions in the autograd graph of `tensors` (a probe's
-    outputs, recorded with grad): the exporter inlines their forward, so a graph built from it
-    differentiates that forward instead of running their backward. The walk stops at the model's
+    outputs, recorded with grad): inlined, their forward would be differentiated instead of their
+    backward run (ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 refuses them). The walk stops at the model's
     `inputs`: what computed them (another ORTModule's graph, the caller's Functions) is upstream."""
     found, seen = set(), {tensor.grad_fn for tensor in inputs}
     stack = [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
