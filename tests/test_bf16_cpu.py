@@ -20,11 +20,12 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._graph import autocast
 from ort_trainer._graph.autocast import lower_precision
-from ort_trainer._runtime.torch_products import product, product_gradient
+from ort_trainer._runtime.torch_products import product, product_gradients
 
 from . import test_mixed_precision as mixed
 
@@ -76,9 +77,11 @@ KERNEL_CASES = {
 
 @pytest.mark.parametrize("case", sorted(KERNEL_CASES))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_each_gradient_node_gives_torch_autograd_of_the_bf16_product(case, seed):
-    """Each input's gradient node (no forward recomputed) against autograd of the forward kernel:
-    equal; the forward's output is fp32 holding bf16 values (unless scaled after, in fp32)."""
+def test_the_gradient_node_gives_torch_autograd_of_the_bf16_product(case, seed):
+    """The one gradient node (no forward recomputed, no operand converted again: it reads the bf16
+    copies the forward read) against autograd of the forward kernel: equal for every operand,
+    whichever it is asked for; the forward's output is fp32 holding bf16 values (unless scaled
+    after, in fp32)."""
     params, shapes = KERNEL_CASES[case]
     generator = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(shape, generator=generator) for shape in shapes]
@@ -87,16 +90,20 @@ def test_each_gradient_node_gives_torch_autograd_of_the_bf16_product(case, seed)
     listed = [inputs[k] for k in order]
     leaves = [tensor.clone().requires_grad_(True) for tensor in listed]
     with torch.enable_grad():
-        output = product(leaves, params)[0]
+        factors = [leaves[order.index(k)].bfloat16() for k in range(2)]  # the TO_BF16 nodes' copies
+        output, = product([*leaves, *factors], params)
     assert output.dtype == torch.float32
     assert torch.equal(output, output.bfloat16().float()) or (params["alpha"] != 1.0 and len(inputs) == 2) \
         or case == "batches_with_bias"  # rounded, then its bias added
     grad = torch.randn(output.shape, generator=generator)
     expected = torch.autograd.grad(output, leaves, grad)
-    for k, tensor in enumerate(listed):
-        result = product_gradient([grad, *listed], {**params, "input": k})[0]
-        assert result.dtype == torch.float32 and result.shape == tensor.shape
-        assert torch.equal(result, expected[k]), (case, k)
+    feeds = [grad, *(factor.detach() for factor in factors), *inputs[2:]]
+    for wanted in ([k] for k in range(len(listed))), [list(range(len(listed)))]:
+        for ks in wanted:
+            results = product_gradients(feeds, {**params, "wanted": ks})
+            for k, result in zip(ks, results):
+                assert result.dtype == torch.float32 and result.shape == listed[k].shape
+                assert torch.equal(result, expected[k]), (case, k)
 
 
 # ---------------------------------------------------------------- the graph's rules
@@ -192,6 +199,44 @@ def test_every_product_computes_as_torch_bf16_kernels(bf16_cpu, tmp_path, dtype)
     assert "ATen" in ops and not ops & _PRODUCT_OPS, ops
 
 
+class _Conversions(TorchDispatchMode):
+    """Records each conversion between fp32 and bf16 the torch nodes make: (source fingerprint,
+    target type). ONNX Runtime reuses memory within a run, so a source is known by its address,
+    shape and values, not its address alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        source = args[0] if args else None
+        if (func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and isinstance(source, torch.Tensor)
+                and source.dtype != result.dtype and {source.dtype, result.dtype} == {torch.float32, torch.bfloat16}):
+            with torch._C.DisableTorchFunction():
+                key = (source.data_ptr(), tuple(source.shape), float(source.double().sum()))
+            self.made.append((key, result.dtype))
+        return result
+
+
+def test_each_tensor_is_converted_once_a_step(bf16_cpu):
+    """One training step of a model with every product form (convolutions, linears with biases,
+    batched products): no tensor converted twice (each operand's bf16 copy made by the forward is
+    the one its gradient reads; a product's output gradient is cast once for all its operands'
+    gradients); the count is what the products need."""
+    trainer = _bf16_trainer(_Products(), PRODUCTS_DESC, F.cross_entropy)
+    trainer.train_step(*_products_batch(0))  # compiled
+    with _Conversions() as conversions:
+        trainer.train_step(*_products_batch(1))
+    repeated = [made for made in set(conversions.made) if conversions.made.count(made) > 1]
+    assert not repeated
+    products = 7  # conv, conv transpose, linear, mix, scores, attention, head
+    # forward: each product's two factors to bf16, its result to fp32; backward: each product's
+    # output gradient to bf16 (the first conv's input needs no gradient), its operands' gradients to fp32
+    assert len(conversions.made) <= products * 3 + products + products * 3
+
+
 @pytest.mark.parametrize("case", ["seed", "sequential", "cnn", "gpt2", "bert"])
 def test_bf16_losses_in_step_with_torch_autocast(bf16_cpu, case):
     make_model, loss_fn, desc, make_batch = mixed.CASES[case]
@@ -255,7 +300,8 @@ def _graph(nodes, inputs, outputs):
 
 def test_the_rewrite_reads_transposed_weights_in_place_and_emulates_what_torch_cannot_state():
     """A weight's Transpose folds into the torch node (dropped when nothing else reads it, kept
-    when something does); the operand that needs a gradient is listed first; a Conv with
+    when something does); the operand that needs a gradient is listed first, the factors' bf16
+    copies after the operands; a Conv with
     auto_pad (torch's convolution has no such padding) keeps the rounding emulation."""
     make = onnx.helper.make_node
     model = _graph([make("Transpose", ["w"], ["wt"], perm=[1, 0]), make("MatMul", ["x", "wt"], ["h"]),
@@ -267,8 +313,11 @@ def test_the_rewrite_reads_transposed_weights_in_place_and_emulates_what_torch_c
     nodes = {node.output[0]: node for node in model.graph.node}
     assert "wt" not in nodes and nodes["vt"].op_type == "Transpose"
     first, second = nodes["h"], nodes["y"]
-    assert first.op_type == second.op_type == "ATen" and list(first.input) == ["w", "x"]
-    assert list(second.input) == ["h", "v"]
+    # the fp32 operands (gradients flow to them), then the factors' bf16 copies (op order), one node each
+    assert first.op_type == second.op_type == "ATen" and list(first.input) == ["w", "x", "x__bf16", "w__bf16"]
+    assert list(second.input) == ["h", "v", "h__bf16", "v__bf16"]
+    assert sorted(node.output[0] for node in model.graph.node if b"to_bf16" in node.attribute[0].s) == [
+        "h__bf16", "v__bf16", "w__bf16", "x__bf16"]
     params = onnx.helper.get_attribute_value(first.attribute[1]).decode()
     assert '"operands":[1,0]' in params and '"trans_b":true' in params
     assert [node.op_type for node in model.graph.node if node.output[0] in ("z__bfloat16", "z")] == ["Conv", "Cast"]
@@ -340,7 +389,7 @@ def test_a_bias_add_folds_into_its_product_only_where_the_bias_is_computed_befor
                    [("x", [4, 3]), ("w", [3, 5]), ("b", [5]), ("v", [5, 5])], ["y"])
     assert lower_precision(model, "bfloat16", device_type="cpu", differentiable=["w", "b", "v"]) == 2
     nodes = {node.output[0]: node for node in model.graph.node}
-    assert nodes["folded"].op_type == "ATen" and "h" not in nodes and set(nodes["folded"].input) == {"x", "w", "b"}
+    assert nodes["folded"].op_type == "ATen" and "h" not in nodes and set(nodes["folded"].input) == {"x", "w", "b", "x__bf16", "w__bf16"}
     assert nodes["m"].op_type == "ATen" and nodes["y"].op_type == "Add" and list(nodes["y"].input) == ["m", "late"]
     produced = {value.name for value in model.graph.input}
     for node in model.graph.node:  # topologically sorted

@@ -10,6 +10,7 @@ from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_params_of
 
 EINSUM = TORCH_OP_PREFIX + "einsum"  # `_graph.torch_nodes`
+TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.torch_products`: a factor's bf16 copy
 
 
 def _einsum_shape(shapes, params):
@@ -113,7 +114,7 @@ _SHAPE_CHANGING = {
 
 #: forward operator -> output shape(input shapes, params)
 _SHAPES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shape, FUNCTION: _function_shape,
-           DETACH: lambda shapes, params: list(shapes[0])}
+           DETACH: lambda shapes, params: list(shapes[0]), TO_BF16: lambda shapes, params: list(shapes[0])}
 
 
 def declare_torch_node_outputs(model):

@@ -5,9 +5,9 @@
   and ops on the gradient path that ONNX Runtime cannot differentiate become torch nodes
   (`gradients_through_torch`: einsum, atan, floor, det, ...); their gradients,
   torch nodes too, are registered with the gradient builder per node parameters
-  (`register_torch_node_gradients`): one node computing every input's gradient in one autograd
-  pass (its outputs compacted to the inputs the builder wants: `finish_torch_node_gradients`), or,
-  for bf16 products, one per input; `Tensor.detach`'s input is registered as a stop-gradient edge.
+  (`register_torch_node_gradients`): one node computing every input's gradient in one pass (its
+  outputs compacted to the inputs the builder wants: `finish_torch_node_gradients`);
+  `Tensor.detach`'s input is registered as a stop-gradient edge.
   The builder keeps a per-input gradient node only where input 0 needs a gradient (it checks the
   node's output position, 0): operands are reordered so that one that needs a gradient is first.
 - In built training graphs for the CPU, the gradient nodes its provider has no kernel for
@@ -22,7 +22,7 @@ from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import node_attributes, onnx_opset, set_nodes, torch_node, torch_node_params, torch_node_params_of
-from .torch_node_shapes import EINSUM, declare_torch_node_outputs
+from .torch_node_shapes import EINSUM, TO_BF16, declare_torch_node_outputs
 
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
 CONV_TRANSPOSE_GRAD = TORCH_OP_PREFIX + "conv_transpose_grad"
@@ -36,10 +36,9 @@ AUTOGRAD_FUNCTION_GRAD = TORCH_OP_PREFIX + "autograd_function_grad"  # the Funct
 #: forward operator -> its gradient's operator
 GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD, FUNCTION: FUNCTION_GRAD,
              PRODUCT: PRODUCT_GRAD, AUTOGRAD_FUNCTION: AUTOGRAD_FUNCTION_GRAD}
-#: forward operators whose gradient is one node for all inputs (one autograd pass of the forward
-#: recomputed); the others (a product's) get one node per input, `input` added to the params
-ONE_PASS_GRADIENTS = frozenset({EINSUM, ADAPTIVE_AVG_POOL, FUNCTION, AUTOGRAD_FUNCTION})
-ONE_PASS_GRADIENT_OPERATORS = frozenset(GRADIENTS[operator] for operator in ONE_PASS_GRADIENTS)
+#: each gradient is one node for all inputs: one autograd pass of the forward recomputed (a bf16
+#: product's from the bf16 factors its forward kept, a custom autograd.Function's on its kept ctx)
+GRADIENT_OPERATORS = frozenset(GRADIENTS.values())
 
 # ONNX Resize (mode, coordinate_transformation_mode, nearest_mode) as torch exports F.interpolate:
 # -> (torch mode by input rank, align_corners)
@@ -207,7 +206,7 @@ def register_torch_node_gradients(model):
             continue
         attributes = node_attributes(node)
         operator, overload = attributes["operator"].decode(), attributes.get("overload_name", b"").decode()
-        if operator == DETACH:  # no gradient through it, as torch
+        if operator in (DETACH, TO_BF16):  # no gradient through it (a copy's: through the product's fp32 factors)
             C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{operator}::{overload}", {0})
         if operator not in GRADIENTS:
             continue
@@ -224,16 +223,18 @@ def register_torch_node_gradients(model):
                                                       set(range(len(node.input))))
                 continue
             inputs = [f"GO({k})" for k in params["differentiable"]] + [f"O({len(node.output) - 1})"]
+        elif operator == PRODUCT:  # the factors' bf16 copies (no gradient to them), a third operand for its shape
+            operands = len(params["operands"])
+            C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{operator}::{overload}",
+                                                  {operands, operands + 1})
+            third = [f"I({params['operands'].index(2)})"] if operands > 2 else []
+            inputs = ["GO(0)", f"I({operands})", f"I({operands + 1})", *third]
         else:
             inputs = [f"GO({k})" for k in range(params.get("differentiable_outputs", 1))]
             inputs += [f"I({k})" for k in range(len(node.input))]
-        if operator in ONE_PASS_GRADIENTS:  # output k: input k's gradient, "" where the builder needs none
-            definition = [_gradient_node(GRADIENTS[operator], inputs, [f"GI({k})" for k in range(len(node.input))],
-                                         params)]
-        else:
-            definition = [_gradient_node(GRADIENTS[operator], inputs, [f"GI({k})"], {**params, "input": k})
-                          for k in range(len(node.input)) if k not in stop]
-        C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", definition)
+        # output k: input k's gradient, "" where the builder needs none
+        definition = _gradient_node(GRADIENTS[operator], inputs, [f"GI({k})" for k in range(len(node.input))], params)
+        C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", [definition])
 
 
 def finish_torch_node_gradients(model):
@@ -245,7 +246,7 @@ def finish_torch_node_gradients(model):
     zeros = _missing_output_gradients_as_zeros(model)
     for node in model.graph.node:
         operator = node_attributes(node).get("operator", b"").decode() if node.domain == DOMAIN else ""
-        if operator in ONE_PASS_GRADIENT_OPERATORS:
+        if operator in GRADIENT_OPERATORS:
             params = torch_node_params_of(node)
             params["wanted"] = [k for k, name in enumerate(node.output) if name]
             if operator == AUTOGRAD_FUNCTION_GRAD:

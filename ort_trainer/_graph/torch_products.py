@@ -6,7 +6,10 @@ AVX512-BF16) run the product and its gradients in bf16, with fp32 accumulation, 
 A MatMul, Gemm, FusedMatMul, Conv or ConvTranspose that computes in fp32 becomes one torch node
 with the same fp32 inputs and output: it casts its inputs to bf16, computes in bf16 and returns the
 result in fp32, so everything after it computes in fp32 as with the other mixed-precision graphs.
-Its gradient nodes (one per input) compute in bf16 from the bf16 output gradient and return fp32:
+Its two factors it reads as bf16 copies (`TO_BF16` nodes, one per tensor, whatever number of
+products and gradients read it, as autocast's weight cache converts a weight once; the node also
+takes the fp32 factors, which the gradients flow to). Its one gradient node reads those copies and
+the output gradient, cast to bf16 once for all the operands' gradients, and returns them in fp32:
 the gradients torch's autograd of the same casts gives. The operands are listed with one that
 needs a gradient first (`reached_first`). Products torch cannot state the same way (ONNX's
 auto_pad or asymmetric pads, an explicit ConvTranspose output_shape, FusedMatMul's batch
@@ -16,7 +19,8 @@ import onnx
 
 from .._onnx import inferred_tensors, node_attributes, torch_node
 from .torch_node_shapes import set_value_info
-from .torch_nodes import PRODUCT, needing_gradient, reached_first, register_torch_node_gradients, replace_nodes
+from .torch_nodes import (PRODUCT, TO_BF16, needing_gradient, reached_first, register_torch_node_gradients,
+                          replace_nodes)
 
 
 def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
@@ -32,7 +36,7 @@ def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
             readers.setdefault(name, []).append(node)
     graph_outputs = {output.name for output in model.graph.output}
     available = {value.name for value in (*model.graph.input, *model.graph.initializer)}  # so far, in order
-    nodes, outputs, folded_adds = [], [], set()
+    nodes, outputs, copies, folded_adds = [], [], {}, set()
     for node in model.graph.node:
         available.update(node.output)
         params = product_params(node)
@@ -53,7 +57,13 @@ def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
             output = bias_add.output[0]
             folded_adds.add(output)
         listed, operands = reached_first([name for name in inputs if name], reached)
-        nodes.append(torch_node(PRODUCT, listed, [output], name=node.name, params={**params, "operands": operands}))
+        for name in inputs[:2]:  # one bf16 copy of each factor, read by every product and gradient that needs it
+            if name not in copies:
+                copies[name] = f"{name}__bf16"
+                nodes.append(torch_node(TO_BF16, [name], [copies[name]], name=f"{name}__to_bf16",
+                                        params={"output_type": onnx.TensorProto.BFLOAT16}))
+        nodes.append(torch_node(PRODUCT, [*listed, *(copies[name] for name in inputs[:2])], [output],
+                                name=node.name, params={**params, "operands": operands}))
         outputs.append(output)
     if not outputs:
         return outputs
@@ -64,6 +74,8 @@ def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
         dims = tensors.get(name, (0, None))[1]
         if dims is not None or name not in known:
             set_value_info(model, name, onnx.TensorProto.FLOAT, dims)
+    for name, copy in copies.items():
+        set_value_info(model, copy, onnx.TensorProto.BFLOAT16, tensors.get(name, (0, None))[1])
     register_torch_node_gradients(model)
     return outputs
 

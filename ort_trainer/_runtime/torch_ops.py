@@ -29,9 +29,9 @@ from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
 from .._graph.cpu_products import MATRIX_PRODUCT
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD,
                                   DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD,
-                                  RESIZE_GRAD)
+                                  RESIZE_GRAD, TO_BF16)
 from .._onnx import in_operand_order
-from .torch_products import convolution_args, matrix_product, product, product_gradient
+from .torch_products import convolution_args, matrix_product, product, product_gradients
 
 
 class TorchOpError(RuntimeError):
@@ -251,7 +251,8 @@ IMPLEMENTATIONS = {
     ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradients(_adaptive_avg_pool),
     FUNCTION: _function, FUNCTION_GRAD: _input_gradients(_function),
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
-    PRODUCT: product, PRODUCT_GRAD: product_gradient, MATRIX_PRODUCT: matrix_product,
+    PRODUCT: product, PRODUCT_GRAD: product_gradients, MATRIX_PRODUCT: matrix_product,
+    TO_BF16: lambda inputs, params: [inputs[0].to(torch.bfloat16)],
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
 

@@ -2,8 +2,9 @@
 (torch's kernels accumulate in fp32), fp32 out, as torch.autocast's bf16 ops and their autograd;
 and of the fp32 products moved to torch where its kernel is faster (`matrix_product`).
 
-Each gradient node computes one input's gradient from the bf16 output gradient, with no forward
-recomputed: a product's gradient costs one product, as in torch's backward. Batched operands that
+One gradient node computes every wanted operand's gradient from the output gradient, cast to
+bf16 once, and the bf16 factors the forward made (no operand converted again, no forward
+recomputed): each gradient costs one product, as in torch's backward. Batched operands that
 broadcast are summed back to their shape; a weight multiplied by a batch of rows gets one product
 over all the rows, as torch's linear computes it.
 """
@@ -27,8 +28,11 @@ def convolution_args(weight, params):
 
 
 def product(inputs, params):
-    """The forward: the operands cast to bf16, the product in bf16, its result in fp32."""
-    operands = [tensor.to(_BF16) for tensor in in_operand_order(inputs, params)]
+    """The forward, its result in fp32: the operands (fp32, in the node's order), then the bf16
+    copies of the two factors (`TO_BF16` nodes'), which it computes with; a third operand (a bias)
+    cast to bf16 here."""
+    count = len(params["operands"])
+    operands = [*inputs[count:], *(tensor.to(_BF16) for tensor in in_operand_order(inputs[:count], params)[2:])]
     kind = params["kind"]
     if kind == "convolution":
         bias = operands[2] if len(operands) > 2 else None
@@ -46,28 +50,41 @@ def product(inputs, params):
     return [result * params["alpha"] if params["alpha"] != 1.0 else result]
 
 
-def product_gradient(inputs, params):
-    """The gradient of operand `params['input']` (the torch node's input order) from the output's
-    gradient (inputs[0]) and the forward's inputs, in fp32: what torch's autograd of `product` gives."""
-    grad, operands = inputs[0], in_operand_order(inputs[1:], params)
-    operand = params["operands"][params["input"]]
+def product_gradients(inputs, params):
+    """The gradients of the operands `params['wanted']` lists (the torch node's input order), in
+    fp32, from the output's gradient (inputs[0], fp32 or bf16: cast once for all of them), the
+    factors' bf16 copies the forward read (inputs[1], inputs[2]) and, with a third operand, that
+    operand (for its shape): what torch's autograd of `product` gives, each gradient one bf16
+    product."""
+    grad, factors = inputs[0], list(inputs[1:3])
+    shapes = [factor.shape for factor in factors] + [operand.shape for operand in inputs[3:]]
+    wanted = [params["operands"][k] for k in params["wanted"]]
     if params["kind"] == "convolution":
-        return [_convolution_gradient(grad.to(_BF16), operands, operand, params).float()]
-    in_bf16 = params["kind"] == "gemm" and len(operands) > 2  # addmm scales in bf16, matmul's alpha is fp32
+        mask = [k in wanted for k in range(3)]
+        bias_sizes = [shapes[2][0]] if len(shapes) > 2 else None
+        found = torch.ops.aten.convolution_backward(grad.to(_BF16), *factors, bias_sizes,
+                                                    *convolution_args(factors[1], params), mask)
+        return [found[k].float() for k in wanted]
+    in_bf16 = params["kind"] == "gemm" and len(shapes) > 2  # addmm scales in bf16, matmul's alpha is fp32
     alpha = params["alpha"] if in_bf16 else 1.0
-    grad = grad.to(_BF16) if in_bf16 or params["alpha"] == 1.0 else (grad * params["alpha"]).to(_BF16)
+    grad = grad.to(_BF16) if in_bf16 or params["alpha"] == 1.0 else (grad.float() * params["alpha"]).to(_BF16)
+    return [_operand_gradient(grad, factors, shapes, k, params, alpha).float() for k in wanted]
+
+
+def _operand_gradient(grad, factors, shapes, operand, params, alpha):
+    """The bf16 gradient of operand `operand` (op order) from the bf16 output gradient."""
     if operand == 2:  # Gemm's C, added as beta * C, or the bias added to a MatMul
         beta = params.get("beta", 1.0)
-        return [(grad * beta if beta != 1.0 else grad).sum_to_size(operands[2].shape).float()]
-    a, b = (_transposed(operands[k].to(_BF16), params[flag]) for k, flag in ((0, "trans_a"), (1, "trans_b")))
-    shape = operands[operand].shape
+        return (grad * beta if beta != 1.0 else grad).sum_to_size(shapes[2])
+    a, b = _transposed(factors[0], params["trans_a"]), _transposed(factors[1], params["trans_b"])
+    shape = shapes[operand]
     if a.dim() < 2 or b.dim() < 2:
         result = _vector_product_gradient(grad, a, b, operand)
     elif operand == 0:  # of op(A): grad @ op(B)^T
         result = _rows_product(b.mT, grad.mT, shape) if params["trans_a"] else _rows_product(grad.mT, b.mT, shape)
     else:  # of op(B): op(A)^T @ grad
         result = _rows_product(grad, a, shape) if params["trans_b"] else _rows_product(a, grad, shape)
-    return [(result * alpha if alpha != 1.0 else result).float()]
+    return result * alpha if alpha != 1.0 else result
 
 
 def _rows_product(left, right, shape):
@@ -85,14 +102,6 @@ def _vector_product_gradient(grad, a, b, operand):
     with torch.enable_grad():
         result = torch.matmul(*operands)
     return torch.autograd.grad(result, operands[operand], grad)[0]
-
-
-def _convolution_gradient(grad, operands, operand, params):
-    x, weight = operands[0].to(_BF16), operands[1].to(_BF16)
-    mask = [operand == k for k in range(3)]
-    bias_sizes = [operands[2].shape[0]] if len(operands) > 2 else None
-    return torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, *convolution_args(weight, params),
-                                               mask)[operand]
 
 
 def matrix_product(inputs, params):
