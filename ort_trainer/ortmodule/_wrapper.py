@@ -108,7 +108,7 @@ class ORTModule(torch.nn.Module):
         return value
 
     def __setattr__(self, name, value):
-        if name in _OWN or "_original_module" not in self.__dict__:
+        if name in _OWN or name == "__class__" or "_original_module" not in self.__dict__:
             super().__setattr__(name, value)
         else:
             setattr(self._original_module, name, value)
@@ -151,6 +151,13 @@ class ORTModule(torch.nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
         model = self._original_module
+        if _reshards_after_forward(self):
+            error = NotImplementedError(
+                f"fully_shard(ORTModule({type(model).__name__})) with reshard_after_forward (True by default below the root): FSDP "
+                "frees the gathered parameters after the forward and gathers them again, elsewhere, for the backward, "
+                "while ONNX Runtime's backward reads them where the forward found them. Pass "
+                "reshard_after_forward=False to fully_shard on the ORTModule")
+            return self._fall_back(FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL, error, args, kwargs)
         try:
             binding, values = bind_call(model, args, kwargs)
             named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -289,6 +296,13 @@ def _is_model_method(value, model):
             and (code is None or "__class__" not in code.co_freevars))
 
 
+def _reshards_after_forward(module):
+    """Whether `module` is FSDP2's (fully_shard) and frees its gathered parameters after its forward."""
+    fsdp_state = getattr(type(module), "_get_fsdp_state", None)
+    return fsdp_state is not None and any(group.post_forward_mesh_info is not None
+                                          for group in fsdp_state(module)._fsdp_param_groups)
+
+
 def _compute_dtype(device_type):
     """The mixed-precision compute type of a call on `device_type` under torch.autocast
     ('float16', 'bfloat16'), or None outside autocast. Raises NotImplementedError where the
@@ -335,7 +349,7 @@ class _GraphFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graph, *feeds):
         outputs, ctx.state = graph.run_forward(feeds)
-        ctx.graph = graph
+        ctx.graph, ctx.addresses = graph, [feed.data_ptr() for feed in feeds]
         ctx.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*feeds, *(outputs[index] for index in graph.read_by_backward))
@@ -346,7 +360,15 @@ class _GraphFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *output_grads):
         graph = ctx.graph
-        ctx.saved_tensors  # raises if a feed was changed in place since the forward
+        saved = ctx.saved_tensors  # raises if a feed was changed in place since the forward
+        moved = [name for name, feed, address in zip(graph.feed_names, saved, ctx.addresses)
+                 if feed.data_ptr() != address]
+        if moved:
+            raise RuntimeError(f"ORTModule: the memory of {moved} moved between the forward and the backward (a "
+                               "`.data` assignment, or FSDP's fully_shard freeing the gathered parameters after the "
+                               "forward: reshard_after_forward=True on a module around the ORTModule), while ONNX "
+                               "Runtime's backward reads them where the forward found them. Keep them in place until "
+                               "the backward (fully_shard(..., reshard_after_forward=False))")
         if ctx.state is None:
             raise RuntimeError("ORTModule: a second backward through the outputs of one call is not supported: ONNX "
                                "Runtime frees the call's forward state in the first backward, which retain_graph=True "
