@@ -1,6 +1,10 @@
-"""ORTModule composed with what wraps or shards a model: FSDP2's fully_shard on ORTModule-wrapped
-blocks (and on a model holding them) and ZeroRedundancyOptimizer with DistributedDataParallel train
-in step with the same runs without ORTModule (2 gloo processes); what cannot work is refused by name."""
+"""ORTModule composed with what wraps, checks or shards a model: the wrapper is an instance of the
+model's class; FSDP2's fully_shard on ORTModule-wrapped blocks (and on a model holding them) and
+ZeroRedundancyOptimizer with DistributedDataParallel train in step with the same runs without
+ORTModule (2 gloo processes); what cannot work is refused by name."""
+import pickle
+from copy import deepcopy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -50,3 +54,47 @@ def test_parameters_whose_memory_moves_before_the_backward_are_refused_not_read_
     wrapped.weight.data = wrapped.weight.data.clone()  # what FSDP's free and gather again do to its memory
     with pytest.raises(RuntimeError, match=r"the memory of \['weight'\] moved between the forward and the backward"):
         output.sum().backward()
+
+
+# ---------------------------------------------------------------- the wrapper is an instance of the model's class
+
+class Scaled(nn.Linear):
+    """A model class with a class attribute, a property and a helper whose self(...) runs the graph."""
+
+    kind = "scaled"
+
+    @property
+    def fan_in(self):
+        return self.in_features
+
+    def twice(self, x):
+        return 2 * self(x)
+
+
+def test_the_wrapper_is_an_instance_of_the_models_class_and_keeps_what_it_promises():
+    torch.manual_seed(0)
+    model = Scaled(4, 3)
+    wrapped = ORTModule(model)
+    assert isinstance(wrapped, Scaled) and isinstance(wrapped, nn.Linear) and isinstance(wrapped, ORTModule)
+    assert type(wrapped).__name__ == "ORTModule" and type(ORTModule(Scaled(4, 3))) is type(wrapped)
+    assert not isinstance(ORTModule(nn.Linear(4, 3)), Scaled)
+    assert wrapped.kind == type(wrapped).kind == "scaled" and wrapped.fan_in == 4
+    assert list(wrapped.state_dict()) == ["weight", "bias"] and wrapped.weight is model.weight
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(wrapped.twice(x), model.twice(x))
+    assert len(wrapped._graphs) == 1  # the helper's self(x) ran the graph
+    for copy in (pickle.loads(pickle.dumps(wrapped)), deepcopy(wrapped)):
+        assert isinstance(copy, Scaled) and type(copy) is type(wrapped) and len(copy._graphs) == 0
+        torch.testing.assert_close(copy(x), model(x))
+
+
+def test_a_hugging_face_wrapper_is_a_pretrained_model_whose_library_methods_act_on_the_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50,
+                                                                 n_positions=16))
+    wrapped = ORTModule(model)
+    assert isinstance(wrapped, transformers.GPT2LMHeadModel) and isinstance(wrapped, transformers.PreTrainedModel)
+    assert wrapped.save_pretrained.__self__ is model and wrapped.generate.__self__ is model
+    assert type(wrapped).config_class is transformers.GPT2Config and wrapped.device == torch.device("cpu")
+    wrapped.save_pretrained(tmp_path)
+    assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path).config.n_embd == 16

@@ -64,18 +64,18 @@ class ORTModule(torch.nn.Module):
         """`ORTModule(model)` is an instance of `_class_for(type(model))`: ORTModule with the model's
         forward() signature (transformers.Trainer keeps the dataset columns `model.forward` names
         and reads the label names from `type(model).forward`)."""
-        if cls is ORTModule and isinstance(module, torch.nn.Module):
+        if cls is ORTModule and isinstance(module, torch.nn.Module) and not isinstance(module, _WRAPPERS):
             cls = _class_for(type(module))
-        return super().__new__(cls)
+        return torch.nn.Module.__new__(cls)
 
     def __init__(self, module, debug_options=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule: module must be a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(module, (ORTModule, torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        if isinstance(module, _WRAPPERS):
             raise TypeError(f"ORTModule: module must be the model itself, got a {type(module).__name__}; wrap the "
                             "model first: DistributedDataParallel(ORTModule(model)) (DataParallel is not supported)")
         own_settings = settings(debug_options)
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not the model class's: the wrapper shares the model's tables
         for table in _SHARED_TABLES:
             object.__setattr__(self, table, getattr(module, table))
         object.__setattr__(self, "_original_module", module)
@@ -98,18 +98,15 @@ class ORTModule(torch.nn.Module):
     # ---------------------------------------------------------------- the model's, not ours
     def __getattr__(self, name):
         try:
-            return super().__getattr__(name)
+            return torch.nn.Module.__getattr__(self, name)  # not the model class's own __getattr__ (PeftModel's)
         except AttributeError:
             if "_original_module" not in self.__dict__:
                 raise
-            value = getattr(self._original_module, name)
-        if _is_model_method(value, self._original_module):
-            return types.MethodType(value.__func__, self)  # its self(...) calls run the graph
-        return value
+            return _model_attribute(self, getattr(self._original_module, name))
 
     def __setattr__(self, name, value):
         if name in _OWN or name == "__class__" or "_original_module" not in self.__dict__:
-            super().__setattr__(name, value)
+            torch.nn.Module.__setattr__(self, name, value)
         else:
             setattr(self._original_module, name, value)
 
@@ -145,7 +142,7 @@ class ORTModule(torch.nn.Module):
         model class, so it cannot be pickled by name."""
         model_class = type(self.__dict__.get("_original_module"))
         if type(self) is not _CLASSES.get(model_class):
-            return super().__reduce_ex__(protocol)
+            return torch.nn.Module.__reduce_ex__(self, protocol)
         return _new_wrapper, (model_class,), self.__getstate__()
 
     # ---------------------------------------------------------------- forward
@@ -257,29 +254,75 @@ class ORTModule(torch.nn.Module):
                       "FALLBACK_DISABLE to raise instead", UserWarning, stacklevel=6)  # the caller of model(...)
 
 
+_WRAPPERS = (ORTModule, torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)  # refused as the model
 _CLASSES = weakref.WeakKeyDictionary()  # model class -> its ORTModule class
 
 
 def _class_for(model_class):
-    """ORTModule's subclass for models of `model_class`, named ORTModule, whose `forward` has the
-    model's signature: tools that inspect the class (transformers.Trainer's `find_labels` and
-    `can_return_loss` read `type(model).forward`) see the model's parameters, not `(*args, **kwargs)`."""
+    """ORTModule's subclass for models of `model_class`, named ORTModule, that also derives from
+    `model_class`: `isinstance(ORTModule(model), type(model))` holds, for libraries that check a
+    model's class (peft, diffusers, FSDP's class swap). Its `forward` has the model's signature: tools
+    that inspect the class (transformers.Trainer's `find_labels` and `can_return_loss` read
+    `type(model).forward`) see the model's parameters, not `(*args, **kwargs)`. What the model's
+    classes define is looked up as before: a name ORTModule (or nn.Module) defines is ORTModule's,
+    another is the model's (`_ModelAttribute`)."""
     cls = _CLASSES.get(model_class)
     if cls is None:
         @functools.wraps(model_class.forward)
         def forward(self, *args, **kwargs):
             return ORTModule.forward(self, *args, **kwargs)
 
-        cls = type(ORTModule)(ORTModule.__name__, (ORTModule,), {
-            "forward": forward, "__module__": ORTModule.__module__, "__qualname__": ORTModule.__qualname__,
-            "__doc__": ORTModule.__doc__})
+        namespace = {"forward": forward, "__module__": ORTModule.__module__, "__qualname__": ORTModule.__qualname__,
+                     "__doc__": ORTModule.__doc__}
+        for name in _names_defined_by(model_class):
+            if name in namespace or name in _TYPE_MACHINERY:
+                continue
+            ours = next((vars(klass)[name] for klass in ORTModule.__mro__[:-1] if name in vars(klass)), _MISSING)
+            if ours is not _MISSING:
+                namespace[name] = ours
+            elif not (name.startswith("__") and name.endswith("__")):  # operators (len(), [...]) stay the class's
+                namespace[name] = _ModelAttribute(model_class, name)
+        cls = types.new_class(ORTModule.__name__, (ORTModule, model_class), exec_body=lambda ns: ns.update(namespace))
         _CLASSES[model_class] = cls
     return cls
+
+
+_MISSING = object()
+_TYPE_MACHINERY = frozenset(("__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__slots__",
+                             "__annotations__", "__orig_bases__", "__parameters__", "__abstractmethods__", "_abc_impl",
+                             "__init_subclass__", "__class_getitem__", "__firstlineno__", "__static_attributes__"))
+
+
+def _names_defined_by(model_class):
+    """The names the model's own classes (those nn.Module does not derive from) define."""
+    own = [klass for klass in model_class.__mro__ if klass not in torch.nn.Module.__mro__]
+    return list(dict.fromkeys(name for klass in own for name in vars(klass)))
+
+
+class _ModelAttribute:
+    """A name the model's class defines, read on the wrapper: the model's value (its own methods bound
+    to the wrapper, as `ORTModule.__getattr__` gives them); on the class, the model class's."""
+
+    def __init__(self, model_class, name):
+        self._model_class, self._name = model_class, name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return getattr(self._model_class, self._name)
+        return _model_attribute(instance, getattr(instance._original_module, self._name))
 
 
 def _new_wrapper(model_class):
     """Unpickling: an empty ORTModule of `model_class`'s wrapper class (__setstate__ fills it)."""
     return torch.nn.Module.__new__(_class_for(model_class))
+
+
+def _model_attribute(wrapper, value):
+    """The model's attribute `value` as the wrapper gives it: a method of the model's own classes
+    bound to the wrapper (its self(...) calls run the graph), anything else as it is."""
+    if _is_model_method(value, wrapper._original_module):
+        return types.MethodType(value.__func__, wrapper)
+    return value
 
 
 def _is_model_method(value, model):
