@@ -98,3 +98,142 @@ def test_a_hugging_face_wrapper_is_a_pretrained_model_whose_library_methods_act_
     assert type(wrapped).config_class is transformers.GPT2Config and wrapped.device == torch.device("cpu")
     wrapped.save_pretrained(tmp_path)
     assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path).config.n_embd == 16
+
+
+# ---------------------------------------------------------------- caches and other containers among the outputs
+
+def _relative(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _tiny_llama(transformers):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))
+
+
+def test_a_peft_lora_llama_trains_only_its_adapters_in_step_with_eager_and_saves_them(tmp_path):
+    """A PEFT-wrapped Llama returns its DynamicCache (its forward takes no use_cache): the cache comes
+    back rebuilt around the graph's key and value tensors."""
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                             task_type="CAUSAL_LM")
+    model = peft.get_peft_model(_tiny_llama(transformers), config)
+    eager = deepcopy(model)
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    wrapped = ORTModule(model)
+    assert isinstance(wrapped, peft.PeftModelForCausalLM)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 128, (2, 8), generator=generator) for _ in range(6)]
+
+    def train(module):
+        optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=0.01)
+        losses = []
+        for ids in batches:
+            optimizer.zero_grad()
+            output = module(input_ids=ids, labels=ids)
+            output.loss.backward()
+            optimizer.step()
+            losses.append(output.loss.item())
+        return losses, output
+
+    (expected, eager_output), (losses, output) = train(eager), train(wrapped)
+    for step, (loss, want) in enumerate(zip(losses, expected, strict=True)):
+        assert abs(loss - want) <= 1e-4 * abs(want), (step, loss, want)
+    trained = dict(eager.named_parameters())
+    adapters = [name for name, p in wrapped.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in name for name in adapters)
+    for name in adapters:
+        assert _relative(dict(wrapped.named_parameters())[name], trained[name]) <= 1e-4, name
+    for name, p in wrapped.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None and torch.equal(p, frozen[name]), name  # bit-unchanged
+    assert len(wrapped._graphs) == 1
+
+    cache, eager_cache = output.past_key_values, eager_output.past_key_values
+    assert type(cache) is type(eager_cache) and cache.get_seq_length() == eager_cache.get_seq_length() == 8
+    for layer, eager_layer in zip(cache.layers, eager_cache.layers, strict=True):
+        assert type(layer) is type(eager_layer) and vars(layer).keys() == vars(eager_layer).keys()
+        assert _relative(layer.keys, eager_layer.keys) <= 1e-5 and _relative(layer.values, eager_layer.values) <= 1e-5
+    assert output.past_key_values is not wrapped(input_ids=batches[0]).past_key_values  # a new cache per call
+
+    wrapped.save_pretrained(tmp_path)
+    reloaded = peft.PeftModel.from_pretrained(_tiny_llama(transformers), tmp_path)
+    with torch.no_grad():
+        assert _relative(reloaded(input_ids=batches[0]).logits, wrapped(input_ids=batches[0]).logits) <= 1e-5
+
+
+class WithCache(nn.Module):
+    """Returns its projection and a DynamicCache holding it (a transformers cache is no pytree node)."""
+
+    def __init__(self, odd=None):
+        super().__init__()
+        self.linear, self.odd = nn.Linear(4, 4), odd
+
+    def forward(self, x):
+        from transformers import DynamicCache
+
+        y = self.linear(x)
+        cache = DynamicCache()
+        cache.update(y[None, None], 2 * y[None, None], 0)
+        if self.odd is not None:
+            cache.layers[0].origin = self.odd
+        return y.sum(), cache
+
+
+class Pair:
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+torch.utils._pytree.register_pytree_node(Pair, lambda pair: ([pair.first, pair.second], None),
+                                         lambda children, _: Pair(*children))
+
+
+class WithPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return Pair(y, {"scaled": 3 * y, "note": "kept"})
+
+
+def test_caches_and_pytree_containers_are_rebuilt_around_the_graphs_tensors_which_get_gradients():
+    pytest.importorskip("transformers")
+    x = torch.randn(3, 4)
+    for make, tensors in ((WithCache, lambda out: (out[0], out[1].layers[0].keys, out[1].layers[0].values)),
+                          (WithPair, lambda out: (out.first, out.second["scaled"]))):
+        torch.manual_seed(0)
+        model = make()
+        wrapped = ORTModule(deepcopy(model))
+        eager_out, out = model(x), wrapped(x)
+        assert type(out) is type(eager_out) and len(wrapped._graphs) == 1
+        sum(t.sum() for t in tensors(eager_out)).backward()
+        sum(t.sum() for t in tensors(out)).backward()
+        for got, want in zip(tensors(out), tensors(eager_out), strict=True):
+            torch.testing.assert_close(got, want)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(dict(wrapped.named_parameters())[name].grad, p.grad)
+    assert out.second["note"] == "kept"
+
+
+def test_a_cache_holding_more_than_plain_values_is_refused_by_name():
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=r"forward\(\) returned a Generator at output\[1\]\.layers\[0\]\.origin, inside "
+                                         r"the cache output\[1\]: .* Call the model with use_cache=False"):
+        ORTModule(WithCache(odd=torch.Generator()))(torch.randn(3, 4))
+    with pytest.raises(ValueError, match=r"forward\(\) returned a Generator at output\[1\]; .* register the type with "
+                                         r"torch.utils._pytree.register_pytree_node, or leave it out of the outputs"):
+        ORTModule(Returning(torch.Generator()))(torch.randn(3, 4))
+
+
+class Returning(nn.Linear):
+    def __init__(self, extra):
+        super().__init__(4, 4)
+        self.extra = extra
+
+    def forward(self, x):
+        return super().forward(x), self.extra

@@ -31,7 +31,7 @@ _SHARED_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_mo
 _OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state",
                   "forward"))  # a forward set on the wrapper (accelerate's autocast) is the wrapper's
 _PYTORCH = "run the PyTorch model"  # a signature whose graph could not be compiled (fallback)
-_LIBRARIES = ("torch.", "transformers.")  # the packages whose model methods stay the model's
+_LIBRARIES = ("torch.", "transformers.", "peft.")  # the packages whose model methods stay the model's
 
 
 class ORTModule(torch.nn.Module):
@@ -329,7 +329,7 @@ def _is_model_method(value, model):
     """Whether `value` is a method the model's own classes define, such as a train_step- or
     generate-style helper: bound to the wrapper instead, its `self(...)` calls run the graph, as
     in the original ORTModule. Methods of the libraries' base classes (nn.Module's, Hugging Face's
-    `save_pretrained` or `generate`) stay the model's: they act on the model itself (its class
+    and peft's `save_pretrained` or `generate`) stay the model's: they act on the model itself (its class
     name in a saved config, its PyTorch forward for generation with a cache). So does a method
     that calls zero-argument `super()`: it needs the model as `self`."""
     if not isinstance(value, types.MethodType) or value.__self__ is not model:
