@@ -100,6 +100,25 @@ def test_a_hugging_face_wrapper_is_a_pretrained_model_whose_library_methods_act_
     assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path).config.n_embd == 16
 
 
+def test_transformers_trainer_checkpoints_the_wrapper_by_the_models_save_pretrained(tmp_path):
+    """Trainer saves a PreTrainedModel by its save_pretrained: safetensors with GPT-2's tied weights
+    and config.json, which from_pretrained loads."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50,
+                                                                 n_positions=16))
+    ids = torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(0))
+    arguments = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                                               report_to=[], use_cpu=True, save_steps=2, disable_tqdm=True)
+    trainer = transformers.Trainer(model=ORTModule(model), args=arguments,
+                                   train_dataset=[{"input_ids": row, "labels": row} for row in ids])
+    trainer.train()
+    saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "checkpoint-2")
+    assert (tmp_path / "checkpoint-2" / "model.safetensors").exists()
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, model.eval()(ids).logits)
+
+
 # ---------------------------------------------------------------- caches and other containers among the outputs
 
 def _relative(a, b):
@@ -222,8 +241,8 @@ def test_caches_and_pytree_containers_are_rebuilt_around_the_graphs_tensors_whic
 
 def test_a_cache_holding_more_than_plain_values_is_refused_by_name():
     pytest.importorskip("transformers")
-    with pytest.raises(ValueError, match=r"forward\(\) returned a Generator at output\[1\]\.layers\[0\]\.origin, inside "
-                                         r"the cache output\[1\]: .* Call the model with use_cache=False"):
+    with pytest.raises(ValueError, match=r"forward\(\) returned a Generator at output\[1\]\.layers\[0\]\.origin, "
+                                         r"inside the cache output\[1\]: .* Call the model with use_cache=False"):
         ORTModule(WithCache(odd=torch.Generator()))(torch.randn(3, 4))
     with pytest.raises(ValueError, match=r"forward\(\) returned a Generator at output\[1\]; .* register the type with "
                                          r"torch.utils._pytree.register_pytree_node, or leave it out of the outputs"):

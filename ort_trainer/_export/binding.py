@@ -21,8 +21,9 @@ Outputs
 - With a `loss_fn` the loss is `loss_fn`'s result; the other declared outputs come from what the
   model returns. Without one, every declared output (the loss too) comes from the model.
 - A dict or `ModelOutput` is read by name when it has every declared name; when it has none of
-  them, like a tuple, list or tensor: its tensors in order (non-tensor entries skipped). A
-  declared output the model does not produce is an error naming it.
+  them, like a tuple, list or tensor: its tensors in order, those of transformers caches and
+  pytree-registered containers included (other non-tensor entries skipped). A declared output the
+  model does not produce is an error naming it.
 - Outputs model_desc does not declare are neither computed nor returned (the graph never
   contains them).
 """

@@ -73,7 +73,8 @@ def _export(module, args, **kwargs):
     buffer = io.BytesIO()
     try:
         with our_symbolics(), training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
-                state_dict_pre_hooks_held(module), export_patches(module), NoGradValuesDetached(), watch_data_dependence() as data_dependent:
+                state_dict_pre_hooks_held(module), export_patches(module), NoGradValuesDetached(), \
+                watch_data_dependence() as data_dependent:
             for message in _EXPORTER_NOTICES:
                 warnings.filterwarnings("ignore", message=message)
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)

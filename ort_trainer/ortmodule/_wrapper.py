@@ -29,7 +29,8 @@ from .._runtime.sessions import Sessions
 MAX_CACHED_GRAPHS = 8  # as ORTTrainer's utils.max_cached_graphs default
 _SHARED_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
 _OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state",
-                  "forward"))  # a forward set on the wrapper (accelerate's autocast) is the wrapper's
+                  "forward",  # a forward set on the wrapper (accelerate's autocast) is the wrapper's
+                  "__class__"))  # so is a class swapped in (FSDP2's fully_shard)
 _PYTORCH = "run the PyTorch model"  # a signature whose graph could not be compiled (fallback)
 _LIBRARIES = ("torch.", "transformers.", "peft.")  # the packages whose model methods stay the model's
 
@@ -105,7 +106,7 @@ class ORTModule(torch.nn.Module):
             return _model_attribute(self, getattr(self._original_module, name))
 
     def __setattr__(self, name, value):
-        if name in _OWN or name == "__class__" or "_original_module" not in self.__dict__:
+        if name in _OWN or "_original_module" not in self.__dict__:
             torch.nn.Module.__setattr__(self, name, value)
         else:
             setattr(self._original_module, name, value)
@@ -150,9 +151,9 @@ class ORTModule(torch.nn.Module):
         model = self._original_module
         if _reshards_after_forward(self):
             error = NotImplementedError(
-                f"fully_shard(ORTModule({type(model).__name__})) with reshard_after_forward (True by default below the root): FSDP "
-                "frees the gathered parameters after the forward and gathers them again, elsewhere, for the backward, "
-                "while ONNX Runtime's backward reads them where the forward found them. Pass "
+                f"fully_shard(ORTModule({type(model).__name__})) with reshard_after_forward (True by default below the "
+                "root): FSDP frees the gathered parameters after the forward and gathers them again, elsewhere, for "
+                "the backward, while ONNX Runtime's backward reads them where the forward found them. Pass "
                 "reshard_after_forward=False to fully_shard on the ORTModule")
             return self._fall_back(FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL, error, args, kwargs)
         try:
