@@ -98,16 +98,22 @@ def train(make, ort, rank):
     return {"losses": losses, "weights": weights, "graphs": graphs}
 
 
-def refusal(rank):
-    """The error of fully_shard(ORTModule(block)) with the default reshard_after_forward (True below the root)."""
+def refusals(rank):
+    """The errors of ORTModule on a model fully_shard already sharded, and of fully_shard(ORTModule(block))
+    with the default reshard_after_forward (True below the root)."""
+    errors = {}
+    try:
+        ORTModule(fully_shard(Block()))
+    except TypeError as error:
+        errors["sharded model"] = str(error)
     model = stack()
     model.blocks[0] = fully_shard(ORTModule(model.blocks[0]))
     fully_shard(model)
     try:
         model(batch(0, rank)[0])
     except NotImplementedError as error:
-        return str(error)
-    return None
+        errors["reshard_after_forward"] = str(error)
+    return errors
 
 
 def main(directory):
@@ -117,7 +123,7 @@ def main(directory):
     rank = dist.get_rank()
     results = {(name, run): train(make, run == "ort", rank) for name, make in SCENARIOS.items()
                for run in ("eager", "ort")}
-    results["refusal"] = refusal(rank)  # last: FSDP's state after a failed forward is undefined
+    results["refusals"] = refusals(rank)  # last: FSDP's state after a failed forward is undefined
     torch.save(results, Path(directory) / f"rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -41,11 +41,17 @@ def test_sharded_training_with_ortmodule_is_in_step_with_the_same_run_without(ra
             assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5, name
 
 
-def test_fully_shard_that_frees_the_parameters_after_the_forward_is_refused_by_name(ranks):
+def test_fully_shard_that_frees_the_parameters_after_the_forward_and_an_already_sharded_model_are_refused(ranks):
     for run in ranks:
-        assert run["refusal"].startswith("fully_shard(ORTModule(Block)) with reshard_after_forward (True by default "
-                                         "below the root)")
-        assert "Pass reshard_after_forward=False to fully_shard on the ORTModule" in run["refusal"]
+        errors = run["refusals"]
+        assert errors["reshard_after_forward"].startswith(
+            "fully_shard(ORTModule(Block)) with reshard_after_forward (True by default below the root)")
+        assert "Pass reshard_after_forward=False to fully_shard on the ORTModule" in errors["reshard_after_forward"]
+        assert errors["sharded model"] == (
+            "ORTModule: parameters ['norm.weight', 'norm.bias', 'up.weight', 'up.bias', 'down.weight', 'down.bias'] of "
+            "the FSDPBlock are DTensors (sharded by FSDP2's fully_shard or tensor parallelism), while the graph reads "
+            "plain tensors; wrap the model before sharding it: fully_shard(ORTModule(model), "
+            "reshard_after_forward=False)")
 
 
 def test_parameters_whose_memory_moves_before_the_backward_are_refused_not_read_freed():

@@ -7,6 +7,7 @@ keys that load into the plain model, `.to()`, DistributedDataParallel's gradient
 accumulates the graph's gradients into `.grad`). Other attributes are the model's.
 """
 import functools
+import sys
 import types
 import warnings
 import weakref
@@ -75,6 +76,11 @@ class ORTModule(torch.nn.Module):
         if isinstance(module, _WRAPPERS):
             raise TypeError(f"ORTModule: module must be the model itself, got a {type(module).__name__}; wrap the "
                             "model first: DistributedDataParallel(ORTModule(model)) (DataParallel is not supported)")
+        sharded = [name for name, parameter in module.named_parameters() if _is_dtensor(parameter)]
+        if sharded:
+            raise TypeError(f"ORTModule: parameters {sharded} of the {type(module).__name__} are DTensors (sharded by "
+                            "FSDP2's fully_shard or tensor parallelism), while the graph reads plain tensors; wrap the "
+                            "model before sharding it: fully_shard(ORTModule(model), reshard_after_forward=False)")
         own_settings = settings(debug_options)
         torch.nn.Module.__init__(self)  # not the model class's: the wrapper shares the model's tables
         for table in _SHARED_TABLES:
@@ -338,6 +344,11 @@ def _is_model_method(value, model):
     function, code = value.__func__, getattr(value.__func__, "__code__", None)
     return (not getattr(function, "__module__", "").startswith(_LIBRARIES)
             and (code is None or "__class__" not in code.co_freevars))
+
+
+def _is_dtensor(tensor):
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    return tensor_module is not None and isinstance(tensor, tensor_module.DTensor)
 
 
 def _reshards_after_forward(module):
