@@ -66,7 +66,7 @@ class ORTModule(torch.nn.Module):
     def __new__(cls, module=None, *args, **kwargs):
         """`ORTModule(model)` is an instance of `_class_for(type(model))`: ORTModule with the model's
         forward() signature (transformers.Trainer keeps the dataset columns `model.forward` names
-        and reads the label names from `type(model).forward`)."""
+        and reads the label names from `type(model).forward`), deriving from the model's class too."""
         if cls is ORTModule and isinstance(module, torch.nn.Module) and not isinstance(module, _WRAPPERS):
             cls = _class_for(type(module))
         return torch.nn.Module.__new__(cls)
