@@ -108,6 +108,7 @@ class ModuleGraph:
                    **{name: (Source.WEIGHT_WITHOUT_GRADIENT, by_graph_name[name[:-len(NO_GRADIENT_SUFFIX)]])
                       for name in aliases}}
         self._sources = [sources[name] for name in inputs]
+        self.feed_names = [key for _, key in self._sources]  # the call's input or the model's tensor, per feed
         slots = {name: index for index, name in enumerate(built.differentiated)}
         self.gradient_slots = [slots.get(name) for name in inputs]  # each feed's backward output
         _info(settings, "compiled the %s graph of %s for inputs %s in %.2f s", self.kind, type(model).__name__,

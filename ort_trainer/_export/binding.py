@@ -21,13 +21,15 @@ Outputs
 - With a `loss_fn` the loss is `loss_fn`'s result; the other declared outputs come from what the
   model returns. Without one, every declared output (the loss too) comes from the model.
 - A dict or `ModelOutput` is read by name when it has every declared name; when it has none of
-  them, like a tuple, list or tensor: its tensors in order (non-tensor entries skipped). A
-  declared output the model does not produce is an error naming it.
+  them, like a tuple, list or tensor: its tensors in order, those of transformers caches and
+  pytree-registered containers included (other non-tensor entries skipped). A declared output the
+  model does not produce is an error naming it.
 - Outputs model_desc does not declare are neither computed nor returned (the graph never
   contains them).
 """
 import contextlib
 import inspect
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -263,14 +265,31 @@ def select_outputs(output, names):
 
 
 def _tensors(output):
-    """The tensors in `output` in order (tuples, lists, dicts, ModelOutputs; other values skipped)."""
+    """The tensors in `output` in order (tuples, lists, dicts, ModelOutputs, transformers caches, other
+    containers torch's pytree flattens; other values skipped)."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, Mapping):
         output = list(output.values())
     if isinstance(output, (tuple, list)):
         return [tensor for item in output for tensor in _tensors(item)]
+    attributes = cache_attributes(output)
+    if attributes is not None:
+        return _tensors(list(attributes.values()))
+    node = pytree.SUPPORTED_NODES.get(type(output))
+    if node is not None:
+        return _tensors(list(node.flatten_fn(output)[0]))
     return []
+
+
+def cache_attributes(value):
+    """The attributes of a transformers cache object (a `Cache`, or one of its layers), in order; None
+    for any other value. A cache (DynamicCache and friends, not a pytree node) is plain attributes
+    around its layers' key and value tensors: those tensors are outputs, the rest is kept."""
+    cache_utils = sys.modules.get("transformers.cache_utils")  # a cache exists only if transformers is loaded
+    if cache_utils is None or not isinstance(value, (cache_utils.Cache, cache_utils.CacheLayerMixin)):
+        return None
+    return vars(value)
 
 
 @contextlib.contextmanager

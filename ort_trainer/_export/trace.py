@@ -5,6 +5,8 @@ Everything exporter-specific lives here so that a torch.export based path can re
 TorchScript exporter (deprecated upstream) without touching the rest of the trainer. The graphs
 name a torch parameter `graph_name(torch name)`: the exported step holds the model as `model`.
 """
+import collections
+import contextlib
 import io
 import itertools
 import re
@@ -72,7 +74,8 @@ def _export(module, args, **kwargs):
     buffer = io.BytesIO()
     try:
         with our_symbolics(), training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
-                export_patches(module), NoGradValuesDetached(), watch_data_dependence() as data_dependent:
+                state_dict_pre_hooks_held(module), export_patches(module), NoGradValuesDetached(), \
+                watch_data_dependence() as data_dependent:
             for message in _EXPORTER_NOTICES:
                 warnings.filterwarnings("ignore", message=message)
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
@@ -143,6 +146,22 @@ GRAPH_PREFIX = "model."
 def graph_name(torch_name):
     """The name of a torch parameter (or buffer) in the exported graphs."""
     return GRAPH_PREFIX + torch_name
+
+
+@contextlib.contextmanager
+def state_dict_pre_hooks_held(model):
+    """Context in which `state_dict()` runs no module's pre-hooks: the exporter names the parameters it
+    traces by the model's state_dict(), and a pre-hook may swap them in the middle of the forward being
+    traced (FSDP2's puts its sharded DTensors back)."""
+    held = [(module, module.__dict__["_state_dict_pre_hooks"]) for module in model.modules()
+            if module.__dict__.get("_state_dict_pre_hooks")]
+    for module, _ in held:
+        module.__dict__["_state_dict_pre_hooks"] = collections.OrderedDict()
+    try:
+        yield
+    finally:
+        for module, hooks in held:
+            module.__dict__["_state_dict_pre_hooks"] = hooks
 
 
 def rng_kept(model, tensors):

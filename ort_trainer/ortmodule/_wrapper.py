@@ -7,6 +7,7 @@ keys that load into the plain model, `.to()`, DistributedDataParallel's gradient
 accumulates the graph's gradients into `.grad`). Other attributes are the model's.
 """
 import functools
+import sys
 import types
 import warnings
 import weakref
@@ -25,13 +26,15 @@ from .._export.probe import custom_functions, custom_functions_refused, layerdro
 from .._graph.autocast import slower_than_fp32, unsupported
 from .._runtime.placement import Placement
 from .._runtime.sessions import Sessions
+from ._graph_function import _GraphFunction
 
 MAX_CACHED_GRAPHS = 8  # as ORTTrainer's utils.max_cached_graphs default
 _SHARED_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
 _OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state",
-                  "forward"))  # a forward set on the wrapper (accelerate's autocast) is the wrapper's
+                  "forward",  # a forward set on the wrapper (accelerate's autocast) is the wrapper's
+                  "__class__"))  # so is a class swapped in (FSDP2's fully_shard)
 _PYTORCH = "run the PyTorch model"  # a signature whose graph could not be compiled (fallback)
-_LIBRARIES = ("torch.", "transformers.")  # the packages whose model methods stay the model's
+_LIBRARIES = ("torch.", "transformers.", "peft.")  # the packages whose model methods stay the model's
 
 
 class ORTModule(torch.nn.Module):
@@ -63,19 +66,24 @@ class ORTModule(torch.nn.Module):
     def __new__(cls, module=None, *args, **kwargs):
         """`ORTModule(model)` is an instance of `_class_for(type(model))`: ORTModule with the model's
         forward() signature (transformers.Trainer keeps the dataset columns `model.forward` names
-        and reads the label names from `type(model).forward`)."""
-        if cls is ORTModule and isinstance(module, torch.nn.Module):
+        and reads the label names from `type(model).forward`), deriving from the model's class too."""
+        if cls is ORTModule and isinstance(module, torch.nn.Module) and not isinstance(module, _WRAPPERS):
             cls = _class_for(type(module))
-        return super().__new__(cls)
+        return torch.nn.Module.__new__(cls)
 
     def __init__(self, module, debug_options=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule: module must be a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(module, (ORTModule, torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        if isinstance(module, _WRAPPERS):
             raise TypeError(f"ORTModule: module must be the model itself, got a {type(module).__name__}; wrap the "
                             "model first: DistributedDataParallel(ORTModule(model)) (DataParallel is not supported)")
+        sharded = [name for name, parameter in module.named_parameters() if _is_dtensor(parameter)]
+        if sharded:
+            raise TypeError(f"ORTModule: parameters {sharded} of the {type(module).__name__} are DTensors (sharded by "
+                            "FSDP2's fully_shard or tensor parallelism), while the graph reads plain tensors; wrap the "
+                            "model before sharding it: fully_shard(ORTModule(model), reshard_after_forward=False)")
         own_settings = settings(debug_options)
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not the model class's: the wrapper shares the model's tables
         for table in _SHARED_TABLES:
             object.__setattr__(self, table, getattr(module, table))
         object.__setattr__(self, "_original_module", module)
@@ -98,18 +106,15 @@ class ORTModule(torch.nn.Module):
     # ---------------------------------------------------------------- the model's, not ours
     def __getattr__(self, name):
         try:
-            return super().__getattr__(name)
+            return torch.nn.Module.__getattr__(self, name)  # not the model class's own __getattr__ (PeftModel's)
         except AttributeError:
             if "_original_module" not in self.__dict__:
                 raise
-            value = getattr(self._original_module, name)
-        if _is_model_method(value, self._original_module):
-            return types.MethodType(value.__func__, self)  # its self(...) calls run the graph
-        return value
+            return _model_attribute(self, getattr(self._original_module, name))
 
     def __setattr__(self, name, value):
         if name in _OWN or "_original_module" not in self.__dict__:
-            super().__setattr__(name, value)
+            torch.nn.Module.__setattr__(self, name, value)
         else:
             setattr(self._original_module, name, value)
 
@@ -145,12 +150,19 @@ class ORTModule(torch.nn.Module):
         model class, so it cannot be pickled by name."""
         model_class = type(self.__dict__.get("_original_module"))
         if type(self) is not _CLASSES.get(model_class):
-            return super().__reduce_ex__(protocol)
+            return torch.nn.Module.__reduce_ex__(self, protocol)
         return _new_wrapper, (model_class,), self.__getstate__()
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
         model = self._original_module
+        if _reshards_after_forward(self):
+            error = NotImplementedError(
+                f"fully_shard(ORTModule({type(model).__name__})) with reshard_after_forward (True by default below the "
+                "root): FSDP frees the gathered parameters after the forward and gathers them again, elsewhere, for "
+                "the backward, while ONNX Runtime's backward reads them where the forward found them. Pass "
+                "reshard_after_forward=False to fully_shard on the ORTModule")
+            return self._fall_back(FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL, error, args, kwargs)
         try:
             binding, values = bind_call(model, args, kwargs)
             named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -251,24 +263,62 @@ class ORTModule(torch.nn.Module):
                       "FALLBACK_DISABLE to raise instead", UserWarning, stacklevel=6)  # the caller of model(...)
 
 
+_WRAPPERS = (ORTModule, torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)  # refused as the model
 _CLASSES = weakref.WeakKeyDictionary()  # model class -> its ORTModule class
 
 
 def _class_for(model_class):
-    """ORTModule's subclass for models of `model_class`, named ORTModule, whose `forward` has the
-    model's signature: tools that inspect the class (transformers.Trainer's `find_labels` and
-    `can_return_loss` read `type(model).forward`) see the model's parameters, not `(*args, **kwargs)`."""
+    """ORTModule's subclass for models of `model_class`, named ORTModule, that also derives from
+    `model_class`: `isinstance(ORTModule(model), type(model))` holds, for libraries that check a
+    model's class (peft, diffusers, FSDP's class swap). Its `forward` has the model's signature: tools
+    that inspect the class (transformers.Trainer's `find_labels` and `can_return_loss` read
+    `type(model).forward`) see the model's parameters, not `(*args, **kwargs)`. What the model's
+    classes define is looked up as before: a name ORTModule (or nn.Module) defines is ORTModule's,
+    another is the model's (`_ModelAttribute`)."""
     cls = _CLASSES.get(model_class)
     if cls is None:
         @functools.wraps(model_class.forward)
         def forward(self, *args, **kwargs):
             return ORTModule.forward(self, *args, **kwargs)
 
-        cls = type(ORTModule)(ORTModule.__name__, (ORTModule,), {
-            "forward": forward, "__module__": ORTModule.__module__, "__qualname__": ORTModule.__qualname__,
-            "__doc__": ORTModule.__doc__})
+        namespace = {"forward": forward, "__module__": ORTModule.__module__, "__qualname__": ORTModule.__qualname__,
+                     "__doc__": ORTModule.__doc__}
+        for name in _names_defined_by(model_class):
+            if name in namespace or name in _TYPE_MACHINERY:
+                continue
+            ours = next((vars(klass)[name] for klass in ORTModule.__mro__[:-1] if name in vars(klass)), _MISSING)
+            if ours is not _MISSING:
+                namespace[name] = ours
+            elif not (name.startswith("__") and name.endswith("__")):  # operators (len(), [...]) stay the class's
+                namespace[name] = _ModelAttribute(model_class, name)
+        cls = types.new_class(ORTModule.__name__, (ORTModule, model_class), exec_body=lambda ns: ns.update(namespace))
         _CLASSES[model_class] = cls
     return cls
+
+
+_MISSING = object()
+_TYPE_MACHINERY = frozenset(("__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__slots__",
+                             "__annotations__", "__orig_bases__", "__parameters__", "__abstractmethods__", "_abc_impl",
+                             "__init_subclass__", "__class_getitem__", "__firstlineno__", "__static_attributes__"))
+
+
+def _names_defined_by(model_class):
+    """The names the model's own classes (those nn.Module does not derive from) define."""
+    own = [klass for klass in model_class.__mro__ if klass not in torch.nn.Module.__mro__]
+    return list(dict.fromkeys(name for klass in own for name in vars(klass)))
+
+
+class _ModelAttribute:
+    """A name the model's class defines, read on the wrapper: the model's value (its own methods bound
+    to the wrapper, as `ORTModule.__getattr__` gives them); on the class, the model class's."""
+
+    def __init__(self, model_class, name):
+        self._model_class, self._name = model_class, name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return getattr(self._model_class, self._name)
+        return _model_attribute(instance, getattr(instance._original_module, self._name))
 
 
 def _new_wrapper(model_class):
@@ -276,11 +326,19 @@ def _new_wrapper(model_class):
     return torch.nn.Module.__new__(_class_for(model_class))
 
 
+def _model_attribute(wrapper, value):
+    """The model's attribute `value` as the wrapper gives it: a method of the model's own classes
+    bound to the wrapper (its self(...) calls run the graph), anything else as it is."""
+    if _is_model_method(value, wrapper._original_module):
+        return types.MethodType(value.__func__, wrapper)
+    return value
+
+
 def _is_model_method(value, model):
     """Whether `value` is a method the model's own classes define, such as a train_step- or
     generate-style helper: bound to the wrapper instead, its `self(...)` calls run the graph, as
     in the original ORTModule. Methods of the libraries' base classes (nn.Module's, Hugging Face's
-    `save_pretrained` or `generate`) stay the model's: they act on the model itself (its class
+    and peft's `save_pretrained` or `generate`) stay the model's: they act on the model itself (its class
     name in a saved config, its PyTorch forward for generation with a cache). So does a method
     that calls zero-argument `super()`: it needs the model as `self`."""
     if not isinstance(value, types.MethodType) or value.__self__ is not model:
@@ -288,6 +346,18 @@ def _is_model_method(value, model):
     function, code = value.__func__, getattr(value.__func__, "__code__", None)
     return (not getattr(function, "__module__", "").startswith(_LIBRARIES)
             and (code is None or "__class__" not in code.co_freevars))
+
+
+def _is_dtensor(tensor):
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    return tensor_module is not None and isinstance(tensor, tensor_module.DTensor)
+
+
+def _reshards_after_forward(module):
+    """Whether `module` is FSDP2's (fully_shard) and frees its gathered parameters after its forward."""
+    fsdp_state = getattr(type(module), "_get_fsdp_state", None)
+    return fsdp_state is not None and any(group.post_forward_mesh_info is not None
+                                          for group in fsdp_state(module)._fsdp_param_groups)
 
 
 def _compute_dtype(device_type):
@@ -319,47 +389,3 @@ def _hashable(value):
     except TypeError:
         return False
     return True
-
-
-class _GraphFunction(torch.autograd.Function):
-    """Autograd's view of one graph call: forward in ONNX Runtime, backward from its kept state.
-
-    Inputs: the graph, then its feeds (the call's tensors, the parameters and buffers). The feeds
-    that require grad get the backward's gradients, except those the outputs that received one do
-    not depend on (None, as torch leaves them, not zeros an optimizer would step on); outputs ONNX
-    Runtime marks non-differentiable are so for torch too. The feeds, and the outputs whose memory
-    the backward reads, are saved (not copied: ONNX Runtime's state reads their memory in the
-    backward), so that changing one in place before backward() is torch's error, not a wrong
-    gradient. ONNX Runtime frees the forward's state in the backward: a second backward (after
-    retain_graph=True) is refused, not run on freed memory."""
-
-    @staticmethod
-    def forward(ctx, graph, *feeds):
-        outputs, ctx.state = graph.run_forward(feeds)
-        ctx.graph = graph
-        ctx.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*feeds, *(outputs[index] for index in graph.read_by_backward))
-        ctx.mark_non_differentiable(*(outputs[index] for index in graph.non_differentiable))
-        return tuple(outputs)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *output_grads):
-        graph = ctx.graph
-        ctx.saved_tensors  # raises if a feed was changed in place since the forward
-        if ctx.state is None:
-            raise RuntimeError("ORTModule: a second backward through the outputs of one call is not supported: ONNX "
-                               "Runtime frees the call's forward state in the first backward, which retain_graph=True "
-                               "does not keep. Sum the losses and call backward() once, or call the model again for "
-                               "each backward")
-        grads = []
-        for index, (grad, (shape, dtype, device)) in enumerate(zip(output_grads, ctx.outputs)):
-            if index in graph.non_differentiable:
-                continue
-            if grad is None:  # an output the loss does not use: zeros (a scalar where ONNX Runtime adds it)
-                grad = torch.zeros(shape if index in graph.full_shape_grads else (), dtype=dtype, device=device)
-            grads.append(grad)
-        state, ctx.state = ctx.state, None  # the forward's activations go as soon as the backward is done
-        used = {index for index, grad in enumerate(output_grads) if grad is not None}
-        return (None, *graph.run_backward(state, grads, used))
