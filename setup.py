@@ -31,7 +31,7 @@ setup(
         ],
         # transformers 4.57.1 accepts torch 2.13.0 as installed (no newer torch pulled in).
         # accelerate: transformers.Trainer's PyTorch backend (examples/gpt2 --engine hf-trainer).
-        "test": ["pytest", "tqdm", "transformers==4.57.1", "accelerate==1.11.0", "h5py"],
+        "test": ["pytest", "tqdm", "transformers==4.57.1", "accelerate==1.11.0", "h5py", "peft==0.17.1"],
         # Resuming from the original ORTTrainer's HDF5 checkpoints.
         "legacy": ["h5py"],
         "examples": ["tqdm", "transformers==4.57.1", "accelerate==1.11.0"],

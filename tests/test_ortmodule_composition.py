@@ -141,7 +141,9 @@ def _tiny_llama(transformers):
 def test_a_peft_lora_llama_trains_only_its_adapters_in_step_with_eager_and_saves_them(tmp_path):
     """A PEFT-wrapped Llama returns its DynamicCache (its forward takes no use_cache): the cache comes
     back rebuilt around the graph's key and value tensors."""
-    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    import peft
+    import transformers
+
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                              task_type="CAUSAL_LM")
     model = peft.get_peft_model(_tiny_llama(transformers), config)
