@@ -179,6 +179,34 @@ def test_ortmodule_function_saving_its_output_trains_in_step():
     _assert_trains_like_eager(Normalized())
 
 
+class MaskedScale(torch.autograd.Function):
+    """Takes a bool mask (ONNX Runtime hands bool tensors over as uint8)."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        ctx.save_for_backward(mask)
+        return x.masked_fill(~mask, 0.0) * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        mask, = ctx.saved_tensors
+        return grad.masked_fill(~mask, 0.0) * 3, None
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        hidden = self.first(x)
+        return self.second(MaskedScale.apply(hidden, hidden > 0))
+
+
+def test_ortmodule_function_with_a_bool_input_trains_in_step():
+    _assert_trains_like_eager(Masked())
+
+
 def _trainer(model, **utils):
     desc = {"inputs": [("x", ["rows", 8]), ("target", ["rows", 4])],
             "outputs": [("loss", [], True), ("output", ["rows", 4])]}

@@ -183,6 +183,8 @@ class HFTrainerEngine:
     ort = True
 
     def __init__(self, model, args, total_updates):
+        if args.lora:
+            model = with_lora_adapters(model)
         self.args, self.plain, self.trainer = args, model, None
         self.wrapped = model
         if self.ort:
@@ -204,6 +206,7 @@ class HFTrainerEngine:
                 adam_epsilon=ADAM_EPSILON, max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
                 max_steps=total_updates, logging_steps=1, disable_tqdm=True,
                 eval_strategy="epoch" if args.eval_each_epoch else "no",
+                gradient_checkpointing=args.gradient_checkpointing,  # Trainer's default: reentrant
                 # The example writes its own outputs (save_model). Trainer's periodic checkpoint of
                 # an ORTModule would be a bare state dict (README, "ORTModule with transformers.Trainer").
                 save_strategy="no")
@@ -236,6 +239,18 @@ class HFTrainerEngine:
     def save_checkpoint(self, path):
         save_torch_checkpoint(path, self.plain, self.trainer.optimizer, self.trainer.lr_scheduler,
                               global_step=self.trainer.state.global_step)
+
+
+def with_lora_adapters(model):
+    """``model`` with PEFT LoRA adapters on its attention projections (rank 8): only the adapters
+    train; ``save_pretrained`` then writes the adapter alone."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise SystemExit(f"error: --lora needs peft (pip install peft): {exc}") from exc
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM",
+                             fan_in_fan_out=True)  # GPT-2's Conv1D keeps its weight transposed
+    return peft.get_peft_model(model, config)
 
 
 class HFTrainerTorchEngine(HFTrainerEngine):
@@ -472,6 +487,10 @@ def parse_args(argv=None):
     option("fetch-logits", action="store_true", help="ORT: declare the logits as an output too, returned by "
            "every step (costs their memory and copy); evaluation then reports next-token accuracy (hf-trainer "
            "engines: through Trainer's compute_metrics)")
+    option("gradient-checkpointing", action="store_true", help="hf-trainer engines: Trainer's "
+           "gradient_checkpointing=True (each block's activations recomputed in the backward)")
+    option("lora", action="store_true", help="hf-trainer engines: train PEFT LoRA adapters (rank 8, attention "
+           "projections) instead of the model; model/ then holds the adapter")
     option("seed", type=int, default=42, help="model initialisation, dropout and data order")
     option("device", choices=["cpu", "cuda"], default="cpu")
     option("output-dir", type=Path, help="write checkpoint.<engine>.pt, model/ (save_pretrained) and metrics.json")
@@ -481,6 +500,9 @@ def parse_args(argv=None):
     if args.mixed_precision and args.engine.startswith("hf-trainer"):
         p.error("--mixed-precision applies to --engine ort and torch; transformers.Trainer has its own "
                 "(its fp16/bf16 arguments)")
+    for flag in ("gradient_checkpointing", "lora"):
+        if getattr(args, flag) and not args.engine.startswith("hf-trainer"):
+            p.error(f"--{flag.replace('_', '-')} applies to --engine hf-trainer and hf-trainer-torch")
     scratch_flags = [flag for flag in ("n_layer", "n_head", "n_embd") if getattr(args, flag) is not None]
     if args.model_name_or_path and scratch_flags:
         p.error(f"--{scratch_flags[0].replace('_', '-')} applies only to a model from scratch, "

@@ -118,7 +118,10 @@ def python_op(g, *args, **attributes):
               # at other input shapes: each output dim as the input dim of its traced size (else that size)
               "output_dims": [[_input_dim(size, input_shapes, position) for position, size in enumerate(shape)]
                               for shape in shapes],
-              "differentiable": [k for k in floating if outputs[k].requiresGrad() is not False]}
+              "differentiable": [k for k in floating if outputs[k].requiresGrad() is not False],
+              # ONNX Runtime hands bool tensors over as uint8
+              "bool_inputs": [k for k, value in enumerate(node.inputs())
+                              if isinstance(value.type(), torch._C.TensorType) and value.type().scalarType() == "Bool"]}
     results = g.op(f"{TORCH_NODE_DOMAIN}::ATen", *tensors, operator_s=AUTOGRAD_FUNCTION,
                    overload_name_s=torch_node_params(params), outputs=len(outputs) + 1)
     results = list(results) if isinstance(results, (list, tuple)) else [results]

@@ -178,8 +178,9 @@ def _autograd_function(inputs, params):
     write over memory it owns)."""
     call = function_call(params["call"])
     needs = set(params.get("needs_grad", ()))
+    booleans = {params.get("operands", range(len(inputs))).index(k) for k in params["bool_inputs"]}
     operands = [t.detach().clone().requires_grad_(k in needs and (t.is_floating_point() or t.is_complex()))
-                for k, t in enumerate(inputs)]
+                if k not in booleans else t.view(torch.bool).clone() for k, t in enumerate(inputs)]
     kept = set()
 
     def pack(tensor):
