@@ -93,6 +93,34 @@ class _Clamp(nn.Module):
         return models.StraightThroughClamp.apply(x)
 
 
+class AddsInPlace(torch.autograd.Function):
+    """Adds 3 * bias to its first argument in place (ctx.mark_dirty) and returns it."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.mark_dirty(x)
+        return x.add_(3 * bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, 3 * grad.sum(0)
+
+
+class DirtiesAnArgument(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.bias = nn.Linear(8, 16), nn.Linear(16, 4), nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        hidden = self.first(x)  # needs a gradient: no leaf, so eager lets the Function modify it
+        added = AddsInPlace.apply(hidden, self.bias)
+        return self.second(added * hidden)  # hidden is the modified tensor
+
+
+def test_ortmodule_function_modifying_an_argument_that_needs_a_gradient_in_place_trains_in_step():
+    _assert_trains_like_eager(DirtiesAnArgument())
+
+
 class OnInputsAlone(nn.Module):
     """A Function computed from the call's inputs alone: no parameter on its way."""
 
