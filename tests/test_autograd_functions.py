@@ -93,6 +93,57 @@ class _Clamp(nn.Module):
         return models.StraightThroughClamp.apply(x)
 
 
+class AddsInPlace(torch.autograd.Function):
+    """Adds 3 * bias to its first argument in place (ctx.mark_dirty) and returns it."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.mark_dirty(x)
+        return x.add_(3 * bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, 3 * grad.sum(0)
+
+
+class DirtiesAnArgument(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.bias = nn.Linear(8, 16), nn.Linear(16, 4), nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        hidden = self.first(x)  # needs a gradient: no leaf, so eager lets the Function modify it
+        added = AddsInPlace.apply(hidden, self.bias)
+        return self.second(added * hidden)  # hidden is the modified tensor
+
+
+def test_ortmodule_function_modifying_an_argument_that_needs_a_gradient_in_place_trains_in_step():
+    _assert_trains_like_eager(DirtiesAnArgument())
+
+
+class OnInputsAlone(nn.Module):
+    """A Function computed from the call's inputs alone: no parameter on its way."""
+
+    def __init__(self, scaled):
+        super().__init__()
+        self.scaled = scaled
+
+    def forward(self, x):
+        return StraightThroughRound.apply(x * 3 if self.scaled else x, 4.0)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_ortmodule_input_gradient_through_a_function_of_the_inputs_alone_is_its_backwards(scaled):
+    x = torch.randn(6, 8)
+    eager_x, ours_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, output = OnInputsAlone(scaled)(eager_x), ORTModule(OnInputsAlone(scaled))(ours_x)
+    torch.testing.assert_close(output, expected)
+    expected.pow(2).sum().backward()
+    output.pow(2).sum().backward()
+    torch.testing.assert_close(ours_x.grad, eager_x.grad)
+    assert not torch_ops._contexts
+
+
 class Recording(torch.autograd.Function):
     """Records what its backward sees of the ctx: needs_input_grad, the constants, the attributes,
     which output gradients came (None after set_materialize_grads(False)); two outputs, the second

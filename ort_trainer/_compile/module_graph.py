@@ -65,14 +65,15 @@ class ModuleGraph:
         weights_as_inputs(exported, weights)
         declare_torch_node_outputs(exported)
         widened = device_type == "cpu" and low_precision_in_fp32(exported)
+        inputs_requiring_grad = [i.name for i in exported.graph.input
+                                 if needs_grad and i.name in values and values[i.name].requires_grad]
         if compute_dtype is not None:
-            differentiable = trainable + [i.name for i in exported.graph.input
-                                          if needs_grad and i.name in values and values[i.name].requires_grad]
-            lower_precision(exported, compute_dtype, device_type=device_type, differentiable=differentiable)
+            lower_precision(exported, compute_dtype, device_type=device_type,
+                            differentiable=trainable + inputs_requiring_grad)
             lowered = {name: str(dtype).removeprefix("torch.") for name, dtype in zip(outputs, schema.dtypes)
                        if dtype in (torch.float16, torch.bfloat16)}
             cast_outputs(exported, lowered)
-        aliases = (prepare_for_gradient(exported, trainable) if needs_grad
+        aliases = (prepare_for_gradient(exported, trainable, inputs_requiring_grad) if needs_grad
                    else padding_rows_without_gradient(exported, ()))
         known = set(weights) | set(aliases)
         user = [i.name for i in exported.graph.input if i.name not in known]  # unused inputs are not graph inputs

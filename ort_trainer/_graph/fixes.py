@@ -179,7 +179,7 @@ def padding_rows_without_gradient(model, trainable):
     return aliases
 
 
-def prepare_for_gradient(model, trainable):
+def prepare_for_gradient(model, trainable, requiring_grad=()):
     """The rewrites the gradient builder needs on a forward whose parameters are graph inputs and
     whose nodes have their optional outputs (add_second_outputs), in place: embedding padding rows
     without gradient, inference-mode BatchNormalization, InstanceNormalization and broadcast
@@ -187,11 +187,12 @@ def prepare_for_gradient(model, trainable):
     gradient `_graph.gradients` registers; ops ORT cannot differentiate as torch nodes, and the
     torch nodes' gradients; ReduceMax/ReduceMin and
     reversing Slices (torch.flip) as ops with gradients; 'same' padding as explicit pads; then
-    `builder_fixes_after_optimization`. Returns the padding-row aliases added (graph inputs to bind
-    to their weights' memory)."""
+    `builder_fixes_after_optimization`. `requiring_grad`: the call inputs that want a gradient
+    (ORTModule's): the torch nodes computed from them get gradients too. Returns the padding-row
+    aliases added (graph inputs to bind to their weights' memory)."""
     register_gradients()
     refuse_reversed_recurrences(model, trainable)
-    gradients_through_torch(model, trainable)
+    gradients_through_torch(model, [*trainable, *requiring_grad])
     register_torch_node_gradients(model)
     cumsum_as_inclusive(model)
     extrema_differentiable(model)

@@ -170,17 +170,36 @@ _contexts = {}
 _context_numbers = itertools.count(1)
 
 
+class _Arguments(torch.autograd.Function):
+    """The tensor arguments of a custom autograd.Function that need gradients, as the outputs of
+    one node rather than as leaves: the Function may then modify them in place (ctx.mark_dirty),
+    as it may in eager, where they are no leaves either. Its backward keeps the gradients that
+    reach them in `gradients` (None where none does)."""
+
+    @staticmethod
+    def forward(ctx, anchor, tensors, gradients):
+        ctx.set_materialize_grads(False)
+        ctx.gradients = gradients
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.gradients[:] = grads
+        return None, None, None
+
+
 def _autograd_function(inputs, params):
     """A custom autograd.Function's own forward (`_export.autograd_functions`), on copies of the
     inputs (its ctx may keep them, and ONNX Runtime reuses their memory), recording its backward
-    when an input needs a gradient (`needs_grad`); outputs: its tensors, then the number of its
-    kept context. An output its ctx also keeps goes to ONNX Runtime as a copy (ONNX Runtime may
-    write over memory it owns)."""
+    when an input needs a gradient (`needs_grad`: those copies come out of `_Arguments`); outputs:
+    its tensors, then the number of its kept context. An output its ctx also keeps goes to ONNX
+    Runtime as a copy (ONNX Runtime may write over memory it owns)."""
     call = function_call(params["call"])
     needs = set(params.get("needs_grad", ()))
     booleans = {params.get("operands", range(len(inputs))).index(k) for k in params["bool_inputs"]}
-    operands = [t.detach().clone().requires_grad_(k in needs and (t.is_floating_point() or t.is_complex()))
-                if k not in booleans else t.view(torch.bool).clone() for k, t in enumerate(inputs)]
+    operands = [t.view(torch.bool).clone() if k in booleans else t.detach().clone() for k, t in enumerate(inputs)]
+    differentiable = [k for k in sorted(needs) if operands[k].is_floating_point() or operands[k].is_complex()]
+    gradients = [None] * len(differentiable)
     kept = set()
 
     def pack(tensor):
@@ -188,6 +207,11 @@ def _autograd_function(inputs, params):
         return tensor
 
     with torch.set_grad_enabled(bool(needs)), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        if differentiable:
+            anchor = torch.zeros((), requires_grad=True)
+            arguments = _Arguments.apply(anchor, [operands[k] for k in differentiable], gradients)
+            for k, argument in zip(differentiable, arguments):
+                operands[k] = argument
         result = call.function.apply(*call.arguments(in_operand_order(operands, params)))
     outputs = list(result) if isinstance(result, (tuple, list)) else [result]
     if len(outputs) != len(params["output_types"]) or not all(isinstance(t, torch.Tensor) for t in outputs):
@@ -199,7 +223,7 @@ def _autograd_function(inputs, params):
     number = 0
     if needs:
         number = next(_context_numbers)
-        _contexts[number] = (call.name, outputs, operands)
+        _contexts[number] = (outputs, operands, differentiable, gradients)  # gradients: filled by the backward
         _created().append(number)
     handed = [t.detach().clone() if t.untyped_storage().data_ptr() in kept else t.detach() for t in outputs]
     return [*handed, torch.tensor(number, dtype=torch.int64)]
@@ -218,13 +242,14 @@ def _autograd_function_grad(inputs, params):
     if number not in _contexts:
         raise RuntimeError(f"custom autograd.Function {params['function']}: no kept context numbered {number} (its "
                            "forward ran without recording a backward, or the backward already ran)")
-    _, outputs, operands = _contexts.pop(number)
+    outputs, operands, differentiable, gradients = _contexts.pop(number)
     absent = set(params.get("absent", ()))
     pairs = [(outputs[k], grad) for j, (k, grad) in enumerate(zip(params["differentiable"], grads))
              if j not in absent and outputs[k].requires_grad]
     if pairs:  # backward(), not grad(): reentrant torch.utils.checkpoint accepts no other
         torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
-    return [torch.zeros_like(operands[k]) if operands[k].grad is None else operands[k].grad for k in params["wanted"]]
+    found = {k: grad for k, grad in zip(differentiable, gradients) if grad is not None}
+    return [found[k] if k in found else torch.zeros_like(operands[k]) for k in params["wanted"]]
 
 
 def _created():
