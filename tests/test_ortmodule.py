@@ -553,9 +553,10 @@ def test_debug_options_refuse_bad_arguments(arguments, error, message):
     ("ORTMODULE_FALLBACK_POLICY", "FALLBACK_BAD_INITIALIZATION",
      r"FALLBACK_BAD_INITIALIZATION is not supported: creating an ORTModule does no work that could fail"),
     ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "yes", r"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER='yes' must be 0 or 1"),
-    ("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "1", r"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT='1' is not supported by "
-                                                 r"ort_trainer's ORTModule: reentrant torch.utils.checkpoint is refused "
-                                                 r"here \(unset it, or set it to '0'\)"),
+    ("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "0", r"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT='0' is not supported by "
+                                                 r"ort_trainer's ORTModule: torch.utils.checkpoint always runs inside "
+                                                 r"the graph here, its segments recomputed in the backward \(unset it, "
+                                                 r"or set it to '1'\)"),
     ("ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "yes", r"ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT='yes' must be 0 "
                                                          r"or 1"),
     ("ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS", "a.B", r"ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS='a.B' is not supported by "
@@ -577,7 +578,8 @@ def test_environment_variables_refuse_bad_or_unsupported_values(monkeypatch, var
 
 def test_environment_variables_at_supported_values_and_unknown_ones(monkeypatch, tmp_path):
     for variable, value in [("ORTMODULE_PRINT_MEMORY_STATS", "0"), ("ORTMODULE_ENABLE_SPARSE_OPTIMIZER", "0"),
-                            ("ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "1")]:
+                            ("ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "1"),
+                            ("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "1")]:
         monkeypatch.setenv(variable, value)
     ORTModule(models.mlp())
     monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")

@@ -19,7 +19,8 @@ DEFAULT_OPSET = 14
 
 # Variable -> (value that matches this ORTModule, why any other value is refused).
 _REFUSED = {
-    "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": ("0", "reentrant torch.utils.checkpoint is refused here"),
+    "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": ("1", "torch.utils.checkpoint always runs inside the graph here, its "
+                                                "segments recomputed in the backward"),
     "ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": ("", "every custom torch.autograd.Function runs its own forward and "
                                              "backward inside the graph: inlining one would differentiate its "
                                              "forward instead of running its backward"),
