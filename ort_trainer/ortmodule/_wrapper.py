@@ -86,6 +86,16 @@ class ORTModule(torch.nn.Module):
         self.training = module.training
 
     @property
+    def __class__(self):
+        """The model's class, so that `isinstance(ORTModule(model), type(model))` holds: libraries
+        that tell models apart by class treat the wrapper as the model (transformers.Trainer saves
+        a PreTrainedModel with its `save_pretrained`: tied weights once, as safetensors requires;
+        accelerate does not unwrap an ORTModule). `type()` and `isinstance(..., ORTModule)` see
+        the wrapper."""
+        model = self.__dict__.get("_original_module")
+        return type(self) if model is None else model.__class__
+
+    @property
     def module(self):
         """The wrapped model (as the original ORTModule)."""
         return self._original_module
