@@ -218,7 +218,7 @@ def test_original_module_path():
 
 SUPPORTED = ("supported: DeepSpeed's ZeRO optimizers (deepspeed.initialize's optimizer at zero_optimization.stage 1, "
              "2 or 3) and apex-style fp16 optimizers (fp16_groups, fp32_from_fp16_groups, loss_scaler, "
-             "clip_master_grads: apex.fp16_utils.FP16_Optimizer, Megatron-LM's FP16_Optimizer)")
+             "clip_master_grads: apex.fp16_utils.FP16_Optimizer)")
 
 
 def test_an_optimizer_it_cannot_wrap_is_refused_by_type():
@@ -232,6 +232,15 @@ def test_an_optimizer_it_cannot_wrap_is_refused_by_type():
     del inner.overflow
     with pytest.raises(TypeError, match=re.escape("would have ['overflow']); supported:")):
         FP16_Optimizer(inner)
+
+
+def test_megatron_is_refused():
+    """Megatron-LM's FP16_Optimizer has apex's attributes but clips over its model-parallel group."""
+    megatron = type("FP16_Optimizer", (FakeApexFP16Optimizer,), {"__module__": "megatron.fp16.fp16"})
+    message = ("FP16_Optimizer: cannot wrap a megatron.fp16.fp16.FP16_Optimizer: Megatron-LM clips the gradients "
+               f"over its model-parallel group, which FP16_Optimizer's norm does not; {SUPPORTED}")
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        FP16_Optimizer(megatron(fp16_params()))
 
 
 def test_wrapping_twice_is_refused():

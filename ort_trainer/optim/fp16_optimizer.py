@@ -16,7 +16,7 @@ __all__ = ["FP16_Optimizer"]
 
 _SUPPORTED = ("DeepSpeed's ZeRO optimizers (deepspeed.initialize's optimizer at zero_optimization.stage 1, 2 or 3) "
               "and apex-style fp16 optimizers (fp16_groups, fp32_from_fp16_groups, loss_scaler, clip_master_grads: "
-              "apex.fp16_utils.FP16_Optimizer, Megatron-LM's FP16_Optimizer)")
+              "apex.fp16_utils.FP16_Optimizer)")
 
 
 def _grads(params):
@@ -73,7 +73,7 @@ class _ZeroStage3:
 # ------------------------------------------------------------------------------------------------
 
 class _ApexScaler:
-    """apex's (Megatron's) DynamicLossScaler: `has_overflow(params)` calls this one."""
+    """apex's DynamicLossScaler: `has_overflow(params)` calls this one."""
 
     def has_overflow_serial(self, params):
         return bool(has_inf_or_nan(_grads(params)))
@@ -140,9 +140,13 @@ class FP16_Optimizer:  # noqa: N801 (the original's name)
     def __init__(self, optimizer):
         if isinstance(optimizer, FP16_Optimizer):
             raise TypeError("FP16_Optimizer: optimizer is already an FP16_Optimizer; wrap the optimizer once")
+        kind = type(optimizer)
+        if kind.__module__.split(".")[0] == "megatron":
+            raise TypeError(f"FP16_Optimizer: cannot wrap a {kind.__module__}.{kind.__qualname__}: Megatron-LM clips "
+                            "the gradients over its model-parallel group, which FP16_Optimizer's norm does not; "
+                            f"supported: {_SUPPORTED}")
         found = _patches(optimizer)
         if found is None:
-            kind = type(optimizer)
             missing = [name for name in _APEX_ATTRIBUTES if not hasattr(optimizer, name)]
             raise TypeError(f"FP16_Optimizer: cannot wrap a {kind.__module__}.{kind.__qualname__} (an apex-style "
                             f"optimizer would have {missing}); supported: {_SUPPORTED}")
