@@ -135,6 +135,7 @@ class FP16_Optimizer:  # noqa: N801 (the original's name)
     `has_overflow_partitioned_grads_serial` and the L2 `get_grad_norm_direct`; ZeRO 3 the two
     overflow checks; apex-style `clip_master_grads` and the dynamic loss scaler's
     `has_overflow_serial`. Any other optimizer: TypeError naming its type and what is supported.
+    `wrapped` is the optimizer, `kind` what it was taken for ('DeepSpeed ZeRO stage 1/2', ...).
     """
 
     def __init__(self, optimizer):
