@@ -161,6 +161,13 @@ def test_trainer_defaults_save_checkpoints_of_tied_weights_that_reload_into_the_
     assert list(reloaded.state_dict()) == list(trained)
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, trained[name]), name
+    # Trainer resumes an ORTModule from it (the untrained model, no step left to run).
+    resumed = ORTModule(tiny_gpt2())
+    assert not torch.equal(resumed.transformer.wte.weight, trained["transformer.wte.weight"])
+    Trainer(model=resumed, args=args, train_dataset=BlockDataset(blocks)).train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.lm_head.weight is resumed.transformer.wte.weight
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
 
 
 def test_block_dataset_makes_trainer_loss_the_mean_per_predicted_token():
