@@ -1,8 +1,8 @@
 """Two gloo processes training with DeepSpeed (CPU accelerator), for tests/test_deepspeed.py.
 
 ``launch(directory, stage)`` starts ``python -m tests.deepspeed_worker <directory> <stage>`` once per
-rank; each rank trains the same model with ``deepspeed.initialize`` at that ZeRO stage, in fp32 and
-in fp16 (DeepSpeed's loss scaling), three ways: the plain model, the plain model with
+rank; each rank trains the same model with ``deepspeed.initialize`` at that ZeRO stage (0: none), in
+fp32 and in fp16 (DeepSpeed's loss scaling; stage 0 in fp16 only), three ways: the plain model, the plain model with
 ``FP16_Optimizer`` around the optimizer DeepSpeed returns, and seed 002's recipe (``ORTModule(model)``
 and ``FP16_Optimizer``). It saves each run's losses, gradient norms, weights and the calls of the
 DeepSpeed methods FP16_Optimizer replaces (or the error the run raised) to ``<directory>/rank<r>.pt``.
@@ -57,19 +57,28 @@ def launch(directory, stage, timeout=300):
     return results
 
 
-REPLACED = ("get_grad_norm_direct", "has_overflow_serial", "has_overflow_partitioned_grads_serial")
+REPLACED = {  # the DeepSpeed methods FP16_Optimizer replaces, by (module, class)
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
+        ("get_grad_norm_direct", "has_overflow_serial", "has_overflow_partitioned_grads_serial"),
+    ("deepspeed.runtime.utils", "CheckOverflow"): ("has_overflow_serial",),
+}
 RUNS = ("plain", "fp16_optimizer", "ortmodule")  # the model, FP16_Optimizer or not, ORTModule or not
 
 
-def count_calls(counts):
-    """Counts the calls of DeepSpeed's own ZeRO-1/2 methods that FP16_Optimizer replaces."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+def precisions(stage):
+    """fp16 or not: DeepSpeed without ZeRO and fp16 returns the torch optimizer (nothing to wrap)."""
+    return (True,) if stage == 0 else (False, True)
 
-    for name in REPLACED:
-        def counted(*args, _original=getattr(DeepSpeedZeroOptimizer, name), _name=name, **kwargs):
-            counts[_name] += 1
-            return _original(*args, **kwargs)
-        setattr(DeepSpeedZeroOptimizer, name, counted)
+
+def count_calls(counts):
+    """Counts the calls of DeepSpeed's own methods that FP16_Optimizer replaces ('Class.method')."""
+    for (module, class_name), names in REPLACED.items():
+        cls = getattr(importlib.import_module(module), class_name)
+        for name in names:
+            def counted(*args, _original=getattr(cls, name), _key=f"{class_name}.{name}", **kwargs):
+                counts[_key] += 1
+                return _original(*args, **kwargs)
+            setattr(cls, name, counted)
 
 
 def train(stage, fp16, run, counts):
@@ -80,7 +89,7 @@ def train(stage, fp16, run, counts):
     from ort_trainer.optim import FP16_Optimizer
     from ort_trainer.ortmodule import ORTModule
 
-    counts.update(dict.fromkeys(REPLACED, 0))
+    counts.update({key: 0 for key in counts})
     model = models.mlp()
     if run == "ortmodule":
         model = ORTModule(model)
@@ -110,10 +119,10 @@ def main(directory, stage):
     # cores); gloo does the same all-reduces without it. (`deepspeed.comm.torch` is torch itself.)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
-    counts = {}
+    counts = {f"{class_name}.{name}": 0 for (_, class_name), names in REPLACED.items() for name in names}
     count_calls(counts)
     result = {}
-    for fp16 in (False, True):
+    for fp16 in precisions(stage):
         for run in RUNS:
             try:
                 result[fp16, run] = train(stage, fp16, run, counts)

@@ -216,9 +216,9 @@ def test_original_module_path():
     assert original_path is FP16_Optimizer
 
 
-SUPPORTED = ("supported: DeepSpeed's ZeRO optimizers (deepspeed.initialize's optimizer at zero_optimization.stage 1, "
-             "2 or 3) and apex-style fp16 optimizers (fp16_groups, fp32_from_fp16_groups, loss_scaler, "
-             "clip_master_grads: apex.fp16_utils.FP16_Optimizer)")
+SUPPORTED = ("supported: DeepSpeed's fp16 and ZeRO optimizers (deepspeed.initialize's optimizer with fp16 enabled, "
+             "or at zero_optimization.stage 1, 2 or 3) and apex-style fp16 optimizers (fp16_groups, "
+             "fp32_from_fp16_groups, loss_scaler, clip_master_grads: apex.fp16_utils.FP16_Optimizer)")
 
 
 def test_an_optimizer_it_cannot_wrap_is_refused_by_type():

@@ -14,7 +14,8 @@ from .._optimizers.multi_tensor import has_inf_or_nan, norms, scale_, total_norm
 
 __all__ = ["FP16_Optimizer"]
 
-_SUPPORTED = ("DeepSpeed's ZeRO optimizers (deepspeed.initialize's optimizer at zero_optimization.stage 1, 2 or 3) "
+_SUPPORTED = ("DeepSpeed's fp16 and ZeRO optimizers (deepspeed.initialize's optimizer with fp16 enabled, or at "
+              "zero_optimization.stage 1, 2 or 3) "
               "and apex-style fp16 optimizers (fp16_groups, fp32_from_fp16_groups, loss_scaler, clip_master_grads: "
               "apex.fp16_utils.FP16_Optimizer)")
 
@@ -68,6 +69,15 @@ class _ZeroStage3:
         return bool(has_inf_or_nan(grads))
 
 
+class _CheckOverflow:
+    """The CheckOverflow of DeepSpeed's fp16 optimizers without ZeRO (FP16_Optimizer,
+    FP16_UnfusedOptimizer): `has_overflow(params)` calls this one (their norms are DeepSpeed's
+    module functions, left as they are)."""
+
+    def has_overflow_serial(self, params):
+        return bool(has_inf_or_nan(_grads(params)))
+
+
 # ------------------------------------------------------------------------------------------------
 # apex-style: fp16 model parameters, fp32 master copies in an inner optimizer, a loss scaler
 # ------------------------------------------------------------------------------------------------
@@ -96,9 +106,14 @@ class _Apex:
 # which optimizer is which
 # ------------------------------------------------------------------------------------------------
 
-_DEEPSPEED = {  # (module, class) of DeepSpeed's optimizers -> (kind, patches)
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"): ("DeepSpeed ZeRO stage 1/2", _ZeroStage1And2),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): ("DeepSpeed ZeRO stage 3", _ZeroStage3),
+_DEEPSPEED = {  # (module, class) of DeepSpeed's optimizers -> (kind, patches, the attribute they patch or None)
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
+        ("DeepSpeed ZeRO stage 1/2", _ZeroStage1And2, None),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): ("DeepSpeed ZeRO stage 3", _ZeroStage3, None),
+    ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer"):
+        ("DeepSpeed fp16", _CheckOverflow, "overflow_checker"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer"):
+        ("DeepSpeed fp16", _CheckOverflow, "overflow_checker"),
 }
 _APEX_ATTRIBUTES = ("fp16_groups", "fp32_from_fp16_groups", "optimizer", "overflow", "loss_scaler",
                     "clip_master_grads")
@@ -109,9 +124,10 @@ def _patches(optimizer):
     for cls in type(optimizer).__mro__:
         known = _DEEPSPEED.get((cls.__module__, cls.__name__))
         if known is not None:
-            kind, patches = known
+            kind, patches, attribute = known
+            target = optimizer if attribute is None else getattr(optimizer, attribute)
             names = [name for name in vars(patches) if not name.startswith("_")]
-            return kind, [(optimizer, name, vars(patches)[name]) for name in names]
+            return kind, [(target, name, vars(patches)[name]) for name in names]
     if all(hasattr(optimizer, name) for name in _APEX_ATTRIBUTES):
         patches = [(optimizer, "clip_master_grads", _Apex.clip_master_grads)]
         if hasattr(optimizer.loss_scaler, "has_overflow_serial"):  # a static scaler never overflows
@@ -121,8 +137,8 @@ def _patches(optimizer):
 
 
 class FP16_Optimizer:  # noqa: N801 (the original's name)
-    """Wraps DeepSpeed's ZeRO optimizer (stages 1, 2, 3) or an apex-style fp16 optimizer, replacing
-    its gradient-norm and overflow checks with one multi-tensor op each; otherwise transparent
+    """Wraps DeepSpeed's fp16 or ZeRO optimizer (stages 1, 2, 3) or an apex-style fp16 optimizer,
+    replacing its gradient-norm and overflow checks with one multi-tensor op each; otherwise transparent
     (`step`, `zero_grad`, `state_dict`, `load_state_dict`, `param_groups` and every other
     attribute are the optimizer's).
 
@@ -133,8 +149,9 @@ class FP16_Optimizer:  # noqa: N801 (the original's name)
     The checks are replaced on `optimizer` itself, so DeepSpeed's engine (`model.step()`) runs
     them too. Replaced: DeepSpeed ZeRO 1/2 `has_overflow_serial`,
     `has_overflow_partitioned_grads_serial` and the L2 `get_grad_norm_direct`; ZeRO 3 the two
-    overflow checks; apex-style `clip_master_grads` and the dynamic loss scaler's
-    `has_overflow_serial`. Any other optimizer: TypeError naming its type and what is supported.
+    overflow checks; fp16 without ZeRO its overflow checker's `has_overflow_serial`; apex-style
+    `clip_master_grads` and the dynamic loss scaler's `has_overflow_serial`. Any other optimizer:
+    TypeError naming its type and what is supported.
     `wrapped` is the optimizer, `kind` what it was taken for ('DeepSpeed ZeRO stage 1/2', ...).
     """
 
