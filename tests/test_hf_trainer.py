@@ -137,6 +137,39 @@ def test_trainer_sees_the_model_signature_through_the_wrapper():
     assert len(calls) == 1
 
 
+def test_trainer_defaults_save_checkpoints_of_tied_weights_that_reload_into_the_plain_model(tmp_path):
+    """Trainer saves a PreTrainedModel with save_pretrained (GPT-2's lm_head/wte written once, as
+    safetensors requires) and anything else as its bare state_dict, which safetensors refuses for
+    tied weights ("Some tensors share memory"); accelerate does not unwrap an ORTModule. The
+    wrapper's class is the model's, so Trainer sees a PreTrainedModel: the checkpoint is the plain
+    model's (config.json, model.safetensors) and reloads into it with the trained weights."""
+    blocks = torch.randint(0, VOCAB, (8, BLOCK), generator=torch.Generator().manual_seed(1))
+    plain = tiny_gpt2()
+    wrapped = ORTModule(plain)
+    assert plain.lm_head.weight is plain.transformer.wte.weight
+    assert isinstance(wrapped, GPT2LMHeadModel) and type(wrapped).__name__ == "ORTModule"
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+                             per_device_train_batch_size=4, max_steps=2, save_steps=2)
+    assert args.save_safetensors
+    Trainer(model=wrapped, args=args, train_dataset=BlockDataset(blocks)).train()
+
+    checkpoint = tmp_path / "checkpoint-2"
+    assert {"config.json", "model.safetensors"} <= {path.name for path in checkpoint.iterdir()}
+    reloaded = GPT2LMHeadModel.from_pretrained(checkpoint)
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    trained = wrapped.state_dict()
+    assert list(reloaded.state_dict()) == list(trained)
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    # Trainer resumes an ORTModule from it (the untrained model, no step left to run).
+    resumed = ORTModule(tiny_gpt2())
+    assert not torch.equal(resumed.transformer.wte.weight, trained["transformer.wte.weight"])
+    Trainer(model=resumed, args=args, train_dataset=BlockDataset(blocks)).train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.lm_head.weight is resumed.transformer.wte.weight
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+
+
 def test_block_dataset_makes_trainer_loss_the_mean_per_predicted_token():
     """Trainer divides GPT-2's summed loss by num_items_in_batch, the labels that are not -100:
     with the first label of each block -100 (never predicted: GPT-2 shifts the labels) that is the

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import warnings
@@ -430,6 +431,21 @@ def test_state_dict_parameters_and_pickling_are_the_models():
     restored = pickle.loads(pickle.dumps(wrapped))  # what torch.save(wrapped) does
     assert isinstance(restored, ORTModule) and len(restored._graphs) == 0
     assert _relative(restored(src), expected) <= 1e-5
+
+
+@pytest.mark.parametrize("table", ["_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"])
+def test_the_shared_tables_cannot_be_replaced(table):
+    """DeepSpeed ZeRO-3 replaces every module's _parameters (tests/test_deepspeed.py): refused, with
+    the alternatives, and the model's table left as it was."""
+    model = models.mlp()
+    wrapped, before = ORTModule(model), getattr(model, table)
+    message = (f"ORTModule: its {table} table cannot be replaced (got a builtins.dict): it is the model's. DeepSpeed "
+               "ZeRO stage 3 replaces it to partition the parameters and gather them in each submodule's forward "
+               "hooks, which an ONNX Runtime graph (one run over all parameters, no submodule forward) does not call: "
+               "use ZeRO stage 1 or 2 with ORTModule, or ZeRO stage 3 on the plain model")
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
+        setattr(wrapped, table, {})
+    assert getattr(model, table) is before and getattr(wrapped, table) is before
 
 
 def test_constructor_refusals():

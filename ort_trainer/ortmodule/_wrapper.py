@@ -113,6 +113,13 @@ class ORTModule(torch.nn.Module):
             return _model_attribute(self, getattr(self._original_module, name))
 
     def __setattr__(self, name, value):
+        if name in _SHARED_TABLES and "_original_module" in self.__dict__:
+            kind = type(value)
+            raise NotImplementedError(
+                f"ORTModule: its {name} table cannot be replaced (got a {kind.__module__}.{kind.__qualname__}): it is "
+                "the model's. DeepSpeed ZeRO stage 3 replaces it to partition the parameters and gather them in each "
+                "submodule's forward hooks, which an ONNX Runtime graph (one run over all parameters, no submodule "
+                "forward) does not call: use ZeRO stage 1 or 2 with ORTModule, or ZeRO stage 3 on the plain model")
         if name in _OWN or "_original_module" not in self.__dict__:
             torch.nn.Module.__setattr__(self, name, value)
         else:
