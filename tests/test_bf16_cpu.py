@@ -162,18 +162,22 @@ def _bf16_trainer(model, desc, loss_fn, *, graph_path=None, dtype="bfloat16"):
     return ORTTrainer(model, desc, optim.SGDConfig(lr=0.05), loss_fn=loss_fn, options=ORTTrainerOptions(options))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", None], ids=["bf16", "fp32"])
-def test_every_product_computes_as_torch_bf16_kernels(bf16_cpu, tmp_path, dtype):
+@pytest.mark.parametrize("dtype, loss_only", [("bfloat16", False), ("bfloat16", True), (None, False)],
+                         ids=["bf16", "bf16_loss_only", "fp32"])
+def test_every_product_computes_as_torch_bf16_kernels(bf16_cpu, tmp_path, dtype, loss_only):
     """4 SGD steps (then one at another batch size, one eval) against torch with the graph's rules:
     outputs and weights equal, losses within 1e-6 (ONNX Runtime's softmax cross-entropy). The fp32
     graph's are not (so the test tells them apart), and the bf16 training graph has no ONNX product
-    left."""
+    left. Fetching the loss alone, the logits stay bf16 into the loss and its gradient comes back
+    in bf16 (`bf16_logits_into_loss`): the same values."""
     torch.manual_seed(0)
     model = _Products()
     reference = copy.deepcopy(model)
     sgd = torch.optim.SGD(reference.parameters(), lr=0.05)
     trainer = _bf16_trainer(model, PRODUCTS_DESC, F.cross_entropy, graph_path=tmp_path / "training.onnx",
                             dtype=dtype)
+    if loss_only:
+        trainer.train_step_info.fetches = ["loss"]
     losses_close, equal = [], []
     for step, rows in enumerate([6, 6, 6, 6, 3]):
         x, target = _products_batch(step, rows)
@@ -183,20 +187,27 @@ def test_every_product_computes_as_torch_bf16_kernels(bf16_cpu, tmp_path, dtype)
         expected_loss = F.cross_entropy(expected, target)
         expected_loss.backward()
         sgd.step()
-        loss, out = trainer.train_step(x, target)
+        loss, out = (trainer.train_step(x, target), expected) if loss_only else trainer.train_step(x, target)
         losses_close.append(torch.allclose(loss, expected_loss.detach(), rtol=1e-6, atol=0))
         equal.append(torch.equal(out, expected.detach()))
     equal += [torch.equal(p.detach(), q.detach()) for p, q in zip(trainer.model.parameters(), reference.parameters())]
     x, target = _products_batch(9)
     with _GraphRules(), torch.no_grad():
         expected = reference(x)
-    equal.append(torch.equal(trainer.eval_step(x, target)[1], expected))
+    if loss_only:
+        losses_close.append(torch.allclose(trainer.eval_step(x, target), F.cross_entropy(expected, target),
+                                           rtol=1e-6, atol=0))
+    else:
+        equal.append(torch.equal(trainer.eval_step(x, target)[1], expected))
     if dtype is None:
         assert not any(equal)
         return
     assert all(losses_close) and all(equal), (losses_close, equal)
-    ops = {node.op_type for node in onnx.load(tmp_path / "training.onnx").graph.node}
+    training = onnx.load(tmp_path / "training.onnx").graph.node
+    ops = {node.op_type for node in training}
     assert "ATen" in ops and not ops & _PRODUCT_OPS, ops
+    operators = {node.attribute[0].s.decode() for node in training if node.op_type == "ATen"}
+    assert ({"ort_trainer::log_softmax_fp32", "ort_trainer::mul_to_bf16"} <= operators) == loss_only
 
 
 class _Conversions(TorchDispatchMode):

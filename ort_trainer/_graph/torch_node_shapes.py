@@ -11,6 +11,9 @@ from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_n
 
 EINSUM = TORCH_OP_PREFIX + "einsum"  # `_graph.torch_nodes`
 TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.torch_products`: a factor's bf16 copy
+# `_graph.torch_products.bf16_logits_into_loss`: bf16 logits into the loss, its gradient back in bf16
+LOG_SOFTMAX_FP32 = TORCH_OP_PREFIX + "log_softmax_fp32"
+MUL_TO_BF16 = TORCH_OP_PREFIX + "mul_to_bf16"
 
 
 def _einsum_shape(shapes, params):

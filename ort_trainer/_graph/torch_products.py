@@ -17,9 +17,9 @@ transposes) are left to the caller's rounding emulation.
 """
 import onnx
 
-from .._onnx import inferred_tensors, node_attributes, torch_node
-from .torch_node_shapes import set_value_info
-from .torch_nodes import (PRODUCT, TO_BF16, needing_gradient, reached_first, register_torch_node_gradients,
+from .._onnx import inferred_tensors, node_attributes, set_nodes, torch_node, torch_node_params, torch_node_params_of
+from .torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, set_value_info
+from .torch_nodes import (PRODUCT, PRODUCT_GRAD, TO_BF16, needing_gradient, reached_first, register_torch_node_gradients,
                           replace_nodes)
 
 
@@ -131,3 +131,89 @@ def _convolution_params(op_type, attributes):
             "stride": list(attributes.get("strides", [])),
             "padding": pads[:half], "dilation": list(attributes.get("dilations", [])),
             "output_padding": list(attributes.get("output_padding", [])), "groups": int(attributes.get("group", 1))}
+
+
+def bf16_logits_into_loss(model):
+    """In a built graph for the CPU (in place): a bf16 product whose result only a (reshaped)
+    LogSoftmax reads (the vocabulary projection before the cross-entropy, `_graph.cpu_kernels`)
+    returns bf16, the LogSoftmax reads it in fp32 (`LOG_SOFTMAX_FP32`: the values autocast's loss
+    sees, without an fp32 copy of the logits); in a training graph, the loss gradient's last Mul
+    writes bf16 (`MUL_TO_BF16`), which the product's gradient reads as it is. Same values as the
+    fp32 logits and gradient, two conversions of logits-sized tensors fewer. A training graph whose
+    loss gradient is not that Mul keeps fp32. Returns the number of products rewritten."""
+    graph = model.graph
+    producers = {name: node for node in graph.node for name in node.output}
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {output.name for output in graph.output}
+
+    def only_reader(name):
+        found = readers.get(name, [])
+        return found[0] if len(found) == 1 and name not in outputs else None
+
+    training = any(_operator(node) == PRODUCT_GRAD for node in graph.node)
+    replaced, bf16_values, log_probs, rewritten = {}, [], [], 0
+    for log_softmax in graph.node:
+        if log_softmax.op_type != "LogSoftmax" or log_softmax.domain not in ("", "ai.onnx"):
+            continue
+        logits, reshapes = log_softmax.input[0], []
+        while producers.get(logits) is not None and producers[logits].op_type == "Reshape" \
+                and only_reader(logits) is not None:
+            reshapes.append(logits)
+            logits = producers[logits].input[0]
+        product = producers.get(logits)
+        if product is None or _operator(product) != PRODUCT or only_reader(logits) is None \
+                or only_reader(log_softmax.input[0]) is None:
+            continue
+        gradient = _loss_gradient_into(product, log_softmax.input[0], producers, only_reader) if training else []
+        if training and not gradient:
+            continue
+        params = torch_node_params_of(product)
+        axis = int(node_attributes(log_softmax).get("axis", -1))
+        replaced[id(product)] = torch_node(PRODUCT, list(product.input), list(product.output), name=product.name,
+                                           params={**params, "output_bf16": True})
+        replaced[id(log_softmax)] = torch_node(LOG_SOFTMAX_FP32, [log_softmax.input[0]], list(log_softmax.output),
+                                               name=log_softmax.name, params={"axis": axis})
+        bf16_values += [logits, *reshapes]
+        log_probs.append((log_softmax.output[0], log_softmax.input[0]))
+        if gradient:
+            mul, grads = gradient
+            replaced[id(mul)] = torch_node(MUL_TO_BF16, list(mul.input), list(mul.output), name=mul.name, params={})
+            bf16_values += grads
+        rewritten += 1
+    if rewritten:
+        set_nodes(graph, [replaced.get(id(node), node) for node in graph.node])
+        tensors = inferred_tensors(model)
+        for name in bf16_values:
+            set_value_info(model, name, onnx.TensorProto.BFLOAT16, tensors.get(name, (0, None))[1])
+        for name, logits in log_probs:  # a torch node's output: typed here
+            set_value_info(model, name, onnx.TensorProto.FLOAT, tensors.get(logits, (0, None))[1])
+    return rewritten
+
+
+def _operator(node):
+    return node_attributes(node).get("operator", b"").decode() if node.op_type == "ATen" else ""
+
+
+def _loss_gradient_into(product, loss_input, producers, only_reader):
+    """(the Mul that ends the rewritten loss's gradient of `loss_input`, the gradient values from
+    it to the product's gradient node) where that gradient reaches `product`'s gradient node only
+    through Reshapes; else None."""
+    mul = producers.get(f"{loss_input}_grad")
+    if mul is None or mul.op_type != "Mul" or not mul.input[0].endswith("/fast_sce_grad/unscaled"):
+        return None
+    grads, value = [mul.output[0]], mul.output[0]
+    while True:
+        reader = only_reader(value)
+        if reader is None:
+            return None
+        if _operator(reader) == PRODUCT_GRAD and list(reader.input[:1]) == [value] \
+                and torch_node_params_of(reader).get("kind") == torch_node_params_of(product).get("kind") \
+                and reader.input[1:3] == product.input[len(torch_node_params_of(product)["operands"]):]:
+            return mul, grads
+        if reader.op_type != "Reshape":
+            return None
+        value = reader.output[0]
+        grads.append(value)

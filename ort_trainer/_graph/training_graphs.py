@@ -134,12 +134,12 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     if loss_scaling:
         loss_name = _scale_loss(model, loss_name)
     training = _gradient_graph(model, trainable, loss_name, quiet_session_options(), recompute=recompute, lower=lower)
-    substitute = kernel_substitutions(device_type)
-    if substitute is not None:
-        substitute(training, eval_model, faster_in_torch=faster_in_torch)
     statistics = list(batch_statistics.outputs) if batch_statistics is not None else []
     _set_outputs(training, list(output_names) + statistics + [f"{name}_grad" for name in trainable])
     _set_outputs(eval_model, output_names)
+    substitute = kernel_substitutions(device_type)
+    if substitute is not None:  # on the outputs fetched: what is not one may be rewritten
+        substitute(training, eval_model, faster_in_torch=faster_in_torch)
     return training.SerializeToString(), eval_model.SerializeToString()
 
 

@@ -27,6 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
 from .._graph.cpu_products import MATRIX_PRODUCT
+from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD,
                                   DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD,
                                   RESIZE_GRAD, TO_BF16)
@@ -270,6 +271,13 @@ class FunctionContexts:
             _contexts.pop(number, None)
 
 
+def _mul_to_bf16(inputs, params):
+    """a * b written in bf16 (one pass: the product in fp32, rounded as it is stored)."""
+    a, b = inputs
+    result = torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.bfloat16, device=a.device)
+    return [torch.mul(a, b, out=result)]
+
+
 #: operator -> implementation(list of input tensors, params) -> list of output tensors
 IMPLEMENTATIONS = {
     RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
@@ -279,6 +287,8 @@ IMPLEMENTATIONS = {
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
     PRODUCT: product, PRODUCT_GRAD: product_gradients, MATRIX_PRODUCT: matrix_product,
     TO_BF16: lambda inputs, params: [inputs[0].to(torch.bfloat16)],
+    LOG_SOFTMAX_FP32: lambda inputs, params: [torch.log_softmax(inputs[0], params["axis"], dtype=torch.float32)],
+    MUL_TO_BF16: _mul_to_bf16,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
 

@@ -28,26 +28,34 @@ def convolution_args(weight, params):
 
 
 def product(inputs, params):
-    """The forward, its result in fp32: the operands (fp32, in the node's order), then the bf16
-    copies of the two factors (`TO_BF16` nodes'), which it computes with; a third operand (a bias)
-    cast to bf16 here."""
+    """The forward, its result in fp32 (in bf16 where `output_bf16`: a loss reads it, `_graph.torch_products.
+    bf16_logits_into_loss`): the operands (fp32, in the node's order), then the bf16 copies of the
+    two factors (`TO_BF16` nodes'), which it computes with; a third operand (a bias) cast to bf16 here."""
     count = len(params["operands"])
     operands = [*inputs[count:], *(tensor.to(_BF16) for tensor in in_operand_order(inputs[:count], params)[2:])]
-    kind = params["kind"]
-    if kind == "convolution":
+    result = _bf16_product(operands, params)
+    if params.get("output_bf16"):
+        return [result]
+    result = result.float()
+    scaled = params["kind"] != "convolution" and len(operands) == 2 and params["alpha"] != 1.0
+    return [result * params["alpha"] if scaled else result]
+
+
+def _bf16_product(operands, params):
+    """The product of bf16 `operands` in bf16 (the alpha of a product without a third operand not
+    applied: it scales in fp32)."""
+    if params["kind"] == "convolution":
         bias = operands[2] if len(operands) > 2 else None
-        result = torch.ops.aten.convolution(operands[0], operands[1], bias, *convolution_args(operands[1], params))
-        return [result.float()]
+        return torch.ops.aten.convolution(operands[0], operands[1], bias, *convolution_args(operands[1], params))
     a, b = _transposed(operands[0], params["trans_a"]), _transposed(operands[1], params["trans_b"])
-    if kind == "gemm" and len(operands) > 2:
-        return [torch.addmm(operands[2], a, b, beta=params["beta"], alpha=params["alpha"]).float()]
+    if params["kind"] == "gemm" and len(operands) > 2:
+        return torch.addmm(operands[2], a, b, beta=params["beta"], alpha=params["alpha"])
     if len(operands) > 2:  # a MatMul and the bias Add after it (alpha 1): as torch's linear adds it
         if b.dim() == 2 and a.dim() >= 2:
             rows = torch.addmm(operands[2], a.reshape(-1, a.shape[-1]), b)
-            return [rows.reshape(*a.shape[:-1], b.shape[-1]).float()]
-        return [(torch.matmul(a, b) + operands[2]).float()]
-    result = torch.matmul(a, b).float()
-    return [result * params["alpha"] if params["alpha"] != 1.0 else result]
+            return rows.reshape(*a.shape[:-1], b.shape[-1])
+        return torch.matmul(a, b) + operands[2]
+    return torch.matmul(a, b)
 
 
 def product_gradients(inputs, params):
