@@ -60,12 +60,12 @@ def _bare_product(operator, inputs, params):
     count = len(params["operands"])
     if operator == "ort_trainer::bf16_product":
         factors = in_operand_order(inputs[:count], params)[:2]
-        return "forward", [t.detach().to(torch.bfloat16) for t in factors], params, ()
+        return "forward", [t.detach().to(torch.bfloat16, copy=True) for t in factors], params, ()
     if "wanted" in params:  # one node for every operand: the factors' bf16 copies follow the output gradient
         factors, wanted = inputs[1:3], [params["operands"][k] for k in params["wanted"]]
     else:  # one node per operand, reading the fp32 operands
         factors, wanted = in_operand_order(inputs[1:], params)[:2], [params["operands"][params["input"]]]
-    tensors = [t.detach().to(torch.bfloat16) for t in (inputs[0], *factors)]
+    tensors = [t.detach().to(torch.bfloat16, copy=True) for t in (inputs[0], *factors)]  # ONNX Runtime reuses its memory
     return "gradient", tensors, params, [k for k in wanted if k < 2]
 
 
