@@ -1,6 +1,6 @@
-"""Mixed precision, side by side in one process: ORTTrainer (`mixed_precision`) against the PyTorch
-loop under `torch.autocast` (+ GradScaler for fp16), eager and `torch.compile`d, and each engine's
-fp32 step. Seed model (examples/wikitext2) and GPT-2 small (124 M parameters, from its config).
+"""Mixed precision, side by side in one process: ORTTrainer (`mixed_precision`) and the PyTorch
+loop on ORTModule(model) against the PyTorch loop under `torch.autocast` (+ GradScaler for fp16),
+eager and `torch.compile`d, and each engine's fp32 step. Seed model (examples/wikitext2) and GPT-2 small (124 M parameters, from its config).
 
     python benchmarks/mixed_precision.py --device cuda                   # the GPU case: both models, fp16 + bf16
     python benchmarks/mixed_precision.py --device cpu --models seed --dtypes float16 --rounds 3
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.wikitext2.model import TransformerModel  # noqa: E402
 from examples.wikitext2.train import make_loss_fn  # noqa: E402
-from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
+from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 from ort_trainer._graph.autocast import cpu_has_bf16_instructions  # noqa: E402
 
 
@@ -110,6 +110,7 @@ def engines(workload, device, dtype, *, compile_torch):
     def fresh():
         return copy.deepcopy(workload.model).to(device).train()
     steps = {"ort": ort_step(workload, fresh(), device, dtype),
+             "ortmodule": torch_step(workload, ORTModule(fresh()), device, dtype, compiled=False),
              "torch eager": torch_step(workload, fresh(), device, dtype, compiled=False)}
     if compile_torch:
         steps["torch.compile"] = torch_step(workload, fresh(), device, dtype, compiled=True)
