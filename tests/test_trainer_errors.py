@@ -186,31 +186,23 @@ def test_models_that_update_other_buffers_than_batchnorm_statistics_are_refused_
 
 
 class ClampedLinear(nn.Module):
-    def __init__(self, checkpointed=False):
+    def __init__(self):
         super().__init__()
         self.linear, self.head = nn.Linear(4, 4), nn.Linear(4, 4)
-        self.checkpointed = checkpointed
 
     def forward(self, x):
-        hidden = self.linear(x)
-        if self.checkpointed:
-            return torch.utils.checkpoint.checkpoint(self.head, hidden, use_reentrant=True).pow(2).mean()
-        return self.head(models.StraightThroughClamp.apply(hidden)).pow(2).mean()
+        return self.head(models.StraightThroughClamp.apply(self.linear(x))).pow(2).mean()
 
 
-@pytest.mark.parametrize("checkpointed, remedy", [
-    (False, "(write their forward with differentiable torch operations, or wrap the model in ORTModule, which "
-            "runs such models in PyTorch)"),
-    (True, "(torch.utils.checkpoint with use_reentrant=True: leave the checkpointing out (Hugging Face: "
-           "model.gradient_checkpointing_disable()) or call it with use_reentrant=False)")])
-def test_models_computed_through_custom_autograd_functions_are_refused_by_name(checkpointed, remedy):
-    trainer = ORTTrainer(ClampedLinear(checkpointed), {"inputs": [("x", ["n", 4])], "outputs": [("loss", [], True)]},
+def test_models_computed_through_custom_autograd_functions_are_refused_by_name():
+    trainer = ORTTrainer(ClampedLinear(), {"inputs": [("x", ["n", 4])], "outputs": [("loss", [], True)]},
                          optim.SGDConfig())
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    function = "torch.utils.checkpoint.CheckpointFunction" if checkpointed else "tests.models.StraightThroughClamp"
     with pytest.raises(NotImplementedError, match=re.escape(
-            f"the model's outputs are computed through custom torch.autograd.Functions ['{function}']: the exported "
-            f"graph would differentiate their inlined forward instead of running their backward {remedy}")):
+            "the model's outputs are computed through custom torch.autograd.Functions "
+            "['tests.models.StraightThroughClamp']: the exported graph would differentiate their inlined forward "
+            "instead of running their backward (write their forward with differentiable torch operations, or wrap "
+            "the model in ORTModule, which runs such models in PyTorch)")):
         trainer.train_step(torch.randn(8, 4))
     assert_unchanged(trainer, before, steps=0)
 

@@ -38,6 +38,7 @@ _GELUS = {"Gelu", "BiasGelu", "FastGelu", "QuickGelu"}
 # would draw other numbers); their recomputed consumers read the forward's outputs.
 _KEPT = {"Constant", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
          "Bernoulli"}
+_RANDOM_CONTRIB = {"BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"}  # ONNX Runtime's fused dropouts: kept
 
 
 def _is_onnx(node):
@@ -205,6 +206,68 @@ class Recompute:
         training.graph.node.extend(ordered)
         if moves and not any(o.domain == _MS_DOMAIN for o in training.opset_import):
             training.opset_import.append(onnx.helper.make_opsetid(_MS_DOMAIN, 1))
+
+
+def recompute_in_backward(training, forward, group_of):
+    """ORTModule's training graph (forward, YieldOp, backward: `_graph.module_graphs`), in place:
+    the forward nodes `group_of(node name)` puts in a group (a checkpointed segment, a layer) get
+    copies, and the backward reads the copies instead of the forward's tensors, which the forward
+    frees once done with them. Returns the number of copies kept.
+
+    ONNX Runtime's builder differentiates first here, so the copies come after it, unlike
+    `Recompute.add_nodes`: the backward nodes (those computed from the YieldOp's outputs, the
+    gradients of the outputs) are rewired to them. `forward`: the names of the builder's forward
+    nodes. A node ONNX Runtime's fusions renamed (no '/' in its name: 'Gelu_token_2') is in the
+    group of all the nodes it reads from. A group's outputs that forward nodes outside it (or the
+    outputs) read are kept, as torch's checkpoint keeps a segment's inputs and outputs; Dropout is
+    recomputed from its mask (`_copies`), other random ops are kept.
+    """
+    nodes = list(training.graph.node)
+    yield_node = next(node for node in nodes if node.op_type == "YieldOp")
+    backward = set(yield_node.output)
+    for node in nodes:
+        if backward.intersection(node.input):
+            backward.update(node.output)
+    is_backward = {id(node): bool(backward.intersection(node.input)) for node in nodes}
+    forward_nodes = [node for node in nodes if node.name in forward]
+    producers = {output: node for node in forward_nodes for output in node.output if output}
+    group = {}
+    for node in forward_nodes:
+        key = group_of(node.name)
+        if key is None and "/" not in node.name:
+            sources = {group.get(id(producers[name])) for name in node.input if name in producers}
+            key = sources.pop() if len(sources) == 1 else None
+        if key is not None:
+            group[id(node)] = key
+    read_by = {name: {None} for name in [*yield_node.input, *(o.name for o in training.graph.output)]}
+    for node in forward_nodes:
+        for name in node.input:
+            read_by.setdefault(name, set()).add(group.get(id(node)))
+    constants = constant_values(training)
+    modes = {id(node): _dropout_mode(node, constants) for node in forward_nodes
+             if node.op_type == "Dropout" and _is_onnx(node)}
+    groups = {}
+    for node in forward_nodes:
+        key = group.get(id(node))
+        if (key is not None and node.op_type not in _KEPT and node.op_type not in _RANDOM_CONTRIB
+                and modes.get(id(node), False) is not None
+                and all(read_by.get(output, set()) <= {key} for output in node.output if output)):
+            groups.setdefault(key, []).append(node)
+    copies = [_copies(members, modes) for members in groups.values()]
+    recomputed = {output[:-len(_SUFFIX)] for group in copies for node in group for output in node.output}
+    for node in nodes:
+        if is_backward[id(node)]:
+            node.input[:] = [_recomputed(name) if name in recomputed else name for name in node.input]
+    for group in copies:
+        training.graph.node.extend(group)
+    for info in list(training.graph.value_info):  # torch nodes' copies get no inferred type
+        if info.name in recomputed:
+            training.graph.value_info.add().CopyFrom(info)
+            training.graph.value_info[-1].name = _recomputed(info.name)
+    before_backward = {node.name for node in nodes if not is_backward[id(node)] and node is not yield_node}
+    Recompute.schedule(training, (before_backward, [{copy.name for copy in group} for group in copies]))
+    kept = {copy.name for group in copies for copy in group}
+    return sum(node.name in kept for node in training.graph.node)
 
 
 def _scope_layer(module, stack):
