@@ -86,10 +86,9 @@ class ModuleGraph:
             pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
             log=lambda message: _info(settings, message))
         model_proto = built.model
-        if needs_grad:
-            recomputed = recompute_in_backward(model_proto, built.forward, segment_of)
-            if recomputed:
-                _info(settings, "checkpointed segments: %d nodes recomputed in the backward", recomputed)
+        recomputed = needs_grad and recompute_in_backward(model_proto, built.forward, segment_of)
+        if recomputed:
+            _info(settings, "checkpointed segments: %d nodes recomputed in the backward", recomputed)
         self.non_differentiable, self.full_shape_grads = built.non_differentiable, built.full_shape_grads
         describe_outputs(model_proto, outputs, schema.dtypes, schema.shapes)
         self.batch_statistics.describe(model_proto)
@@ -108,7 +107,8 @@ class ModuleGraph:
             sessions, model_proto.SerializeToString(), inputs, graph_outputs,
             len(outputs) + len(self.batch_statistics.outputs), trains=needs_grad,
             draws_random_numbers=draws_random_numbers(model_proto),
-            optimized_model_path=_path(settings, "execution_model", training=needs_grad))
+            optimized_model_path=_path(settings, "execution_model", training=needs_grad),
+            priority_order=bool(recomputed))
         sources = {**{name: (Source.CALL, name) for name in user},
                    **{name: (Source.WEIGHT, by_graph_name[name]) for name in weights},
                    **{name: (Source.WEIGHT_WITHOUT_GRADIENT, by_graph_name[name[:-len(NO_GRADIENT_SUFFIX)]])

@@ -215,10 +215,9 @@ def recompute_in_backward(training, forward, group_of):
     frees once done with them. Returns the number of copies kept.
 
     ONNX Runtime's builder differentiates first here, so the copies come after it, unlike
-    `Recompute.add_nodes`: the backward nodes (those computed from the YieldOp's outputs, the
-    gradients of the outputs) are rewired to them. `forward`: the names of the builder's forward
-    nodes. A node ONNX Runtime's fusions renamed (no '/' in its name: 'Gelu_token_2') is in the
-    group of all the nodes it reads from. A group's outputs that forward nodes outside it (or the
+    `Recompute.add_nodes`: the builder's nodes are rewired to them. `forward`: the names of the
+    builder's forward nodes. A node ONNX Runtime's fusions renamed (no '/' in its name:
+    'Gelu_token_2') is in the group of all the nodes it reads from. A group's outputs that forward nodes outside it (or the
     outputs) read are kept, as torch's checkpoint keeps a segment's inputs and outputs; Dropout is
     recomputed from its mask (`_copies`), other random ops are kept.
     """
@@ -254,18 +253,32 @@ def recompute_in_backward(training, forward, group_of):
                 and all(read_by.get(output, set()) <= {key} for output in node.output if output)):
             groups.setdefault(key, []).append(node)
     copies = [_copies(members, modes) for members in groups.values()]
-    recomputed = {output[:-len(_SUFFIX)] for group in copies for node in group for output in node.output}
+    recomputed = {output[:-len(_SUFFIX)]: index for index, group in enumerate(copies) for node in group
+                  for output in node.output}
+    followers = [[] for _ in copies]
+    followed = {}  # output of a follower -> its group
     for node in nodes:
-        if is_backward[id(node)]:
-            node.input[:] = [_recomputed(name) if name in recomputed else name for name in node.input]
+        if node.name in forward or node is yield_node:
+            continue
+        reads = [recomputed[name] for name in node.input if name in recomputed]
+        node.input[:] = [_recomputed(name) if name in recomputed else name for name in node.input]
+        reads += [followed[name] for name in node.input if name in followed]
+        if reads and not is_backward[id(node)]:
+            # a builder node that needs no gradient (the Reshape of a MatMul's input for its weight's
+            # gradient): it would run in the forward and keep what it reads; it runs after the copies
+            followers[reads[0]].append(node)
+            followed.update((output, reads[0]) for output in node.output)
     for group in copies:
         training.graph.node.extend(group)
     for info in list(training.graph.value_info):  # torch nodes' copies get no inferred type
         if info.name in recomputed:
             training.graph.value_info.add().CopyFrom(info)
             training.graph.value_info[-1].name = _recomputed(info.name)
-    before_backward = {node.name for node in nodes if not is_backward[id(node)] and node is not yield_node}
-    Recompute.schedule(training, (before_backward, [{copy.name for copy in group} for group in copies]))
+    moved = {node.name for group in followers for node in group}
+    before_backward = {node.name for node in nodes
+                       if not is_backward[id(node)] and node is not yield_node and node.name not in moved}
+    Recompute.schedule(training, (before_backward, [{node.name for node in [*group, *follow]}
+                                                    for group, follow in zip(copies, followers)]))
     kept = {copy.name for group in copies for copy in group}
     return sum(node.name in kept for node in training.graph.node)
 
