@@ -268,13 +268,15 @@ def recompute_in_backward(training, forward, group_of):
             # gradient): it would run in the forward and keep what it reads; it runs after the copies
             followers[reads[0]].append(node)
             followed.update((output, reads[0]) for output in node.output)
-    for group in copies:
-        training.graph.node.extend(group)
+    moved = {node.name for group in followers for node in group}
+    del training.graph.node[:]
+    training.graph.node.extend(node for node in nodes if node.name not in moved)
+    for group, follow in zip(copies, followers):  # in order: the copies, then what reads them
+        training.graph.node.extend([*group, *follow])
     for info in list(training.graph.value_info):  # torch nodes' copies get no inferred type
         if info.name in recomputed:
             training.graph.value_info.add().CopyFrom(info)
             training.graph.value_info[-1].name = _recomputed(info.name)
-    moved = {node.name for group in followers for node in group}
     before_backward = {node.name for node in nodes
                        if not is_backward[id(node)] and node is not yield_node and node.name not in moved}
     Recompute.schedule(training, (before_backward, [{node.name for node in [*group, *follow]}

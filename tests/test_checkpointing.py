@@ -1,0 +1,163 @@
+"""Gradient checkpointing: torch.utils.checkpoint (both forms, checkpoint_sequential) and Hugging
+Face's gradient_checkpointing_enable() run in the ONNX Runtime graph, in step with eager PyTorch,
+and the graph recomputes the checkpointed segments in the backward instead of keeping their
+activations."""
+import copy
+
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+from ort_trainer import ORTTrainer, optim
+from ort_trainer.ortmodule import DebugOptions, ORTModule
+
+STEPS = 5
+
+
+class Block(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class Blocks(nn.Module):
+    """Four residual blocks, each checkpointed as `form` says (None: not checkpointed)."""
+
+    def __init__(self, form, dropout=0.0):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(dropout) for _ in range(4)])
+        self.form = form
+
+    def forward(self, x):
+        if self.form == "sequential":
+            x = checkpoint_sequential(self.blocks, 2, x, use_reentrant=False)
+        else:
+            for block in self.blocks:
+                x = block(x) if self.form is None else checkpoint(block, x, use_reentrant=self.form == "reentrant")
+        return x.pow(2).mean()
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(3, 5, 16, generator=generator, requires_grad=True) for _ in range(STEPS)]
+
+
+def _losses(model, step_loss):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        loss = step_loss(model, step)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(autouse=True)
+def _no_fallback(monkeypatch):
+    """A model the graph cannot take raises instead of running in PyTorch (where it would pass)."""
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+
+def _saved_graph(tmp_path, monkeypatch):
+    """The training graph the next ORTModule (made with `_debug`) compiles, as it runs."""
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path))
+    return lambda: onnx.load(tmp_path / "m_optimized_training.onnx")
+
+
+_debug = DebugOptions(save_onnx=True, onnx_prefix="m")
+
+
+def _kept_for_backward(graph):
+    """{tensor the backward reads from the forward: its producer}, recompute copies excluded."""
+    nodes = list(graph.graph.node)
+    yielded = next(node for node in nodes if node.op_type == "YieldOp")
+    backward = set(yielded.output)
+    for node in nodes:
+        if backward.intersection(node.input):
+            backward.update(node.output)
+    producers = {output: node for node in nodes for output in node.output}
+    return {name: producers[name] for node in nodes if backward.intersection(node.input) for name in node.input
+            if name in producers and name not in backward}
+
+
+@pytest.mark.parametrize("form", ["reentrant", "non_reentrant", "sequential"])
+def test_checkpointed_blocks_train_like_eager_and_are_recomputed_in_the_backward(form, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = Blocks(form)
+    eager = copy.deepcopy(model)
+    batches = _batches()
+    graph = _saved_graph(tmp_path, monkeypatch)
+    ours = _losses(ORTModule(model, debug_options=_debug), lambda m, step: m(batches[step]))
+    expected = _losses(eager, lambda m, step: m(batches[step]))
+    assert ours == pytest.approx(expected, rel=1e-5)
+    kept = {name: node for name, node in _kept_for_backward(graph()).items()
+            if "_checkpoint_" in name and node.op_type != "Constant"}
+    assert kept  # the segments' outputs
+    for name, node in kept.items():  # no activation inside a segment: its outputs and dropout masks only
+        assert (node.op_type == "Add" and name.endswith("/Add_1_output_0")) or (
+            node.op_type == "Dropout" and name == node.output[1]), (name, node.op_type)
+
+
+def test_dropout_inside_a_segment_is_applied_again_not_drawn_again():
+    """ORT draws its own masks (not torch's): the checkpointed graph must train exactly as the
+    same graph without checkpointing, under the same seed. Its recomputed Dropout reuses the
+    forward's mask (a fresh draw would give the weights before it other gradients)."""
+    batches = _batches()
+    losses = {}
+    for form in ("reentrant", None):
+        torch.manual_seed(0)
+        model = ORTModule(Blocks(form, dropout=0.3))
+        losses[form] = _losses(model, lambda m, step: m(batches[step]))
+    assert losses["reentrant"] == pytest.approx(losses[None], rel=1e-6)
+
+
+def test_hugging_face_gradient_checkpointing_trains_like_eager(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, use_cache=False))
+    model.gradient_checkpointing_enable()  # use_reentrant=True, transformers' default
+    model.train()
+    eager = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randint(3, 96, (3, 10), generator=generator) for _ in range(STEPS)]
+
+    def step_loss(m, step):
+        return m(input_ids=batches[step], labels=batches[step]).loss
+
+    graph = _saved_graph(tmp_path, monkeypatch)
+    ours = _losses(ORTModule(model, debug_options=_debug), step_loss)
+    assert ours == pytest.approx(_losses(eager, step_loss), rel=1e-5)
+    kept = _kept_for_backward(graph())
+    attention = [name for name, node in kept.items() if "_checkpoint_" in name and node.op_type == "Softmax"]
+    assert not attention  # the attention probabilities are recomputed, not kept
+
+
+def test_ort_trainer_trains_a_reentrant_checkpointed_model_like_eager():
+    """Refused before (torch's CheckpointFunction is a custom autograd.Function); the export inlines it."""
+    torch.manual_seed(0)
+    model = Blocks("reentrant")
+    eager = copy.deepcopy(model)
+    eager.form = None  # torch's reentrant form gives no gradient from inputs that need none
+    batches = _batches()
+    trainer = ORTTrainer(model, {"inputs": [("x", [3, 5, 16])], "outputs": [("loss", [], True)]},
+                         optim.AdamConfig(lr=1e-2), options={"utils": {"grad_norm_clip": False}})
+    ours = [trainer.train_step(batch.detach()).item() for batch in batches]
+    adam = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    expected = []
+    for batch in batches:
+        loss = eager(batch.detach())
+        loss.backward()
+        adam.step()
+        adam.zero_grad()
+        expected.append(loss.item())
+    assert ours == pytest.approx(expected, rel=1e-5)
