@@ -3,6 +3,7 @@ Face's gradient_checkpointing_enable() run in the ONNX Runtime graph, in step wi
 and the graph recomputes the checkpointed segments in the backward instead of keeping their
 activations."""
 import copy
+import re
 
 import onnx
 import pytest
@@ -104,6 +105,44 @@ def test_checkpointed_blocks_train_like_eager_and_are_recomputed_in_the_backward
     for name, node in kept.items():  # no activation inside a segment: its outputs and dropout masks only
         assert (node.op_type == "Add" and name.endswith("/Add_1_output_0")) or (
             node.op_type == "Dropout" and name == node.output[1]), (name, node.op_type)
+
+
+def test_memory_opt_level_1_recomputes_every_layer_but_the_last_and_trains_like_eager(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
+    torch.manual_seed(0)
+    model = Blocks(None)
+    eager = copy.deepcopy(model)
+    batches = _batches()
+    graph = _saved_graph(tmp_path, monkeypatch)
+    ours = _losses(ORTModule(model, debug_options=_debug), lambda m, step: m(batches[step]))
+    assert ours == pytest.approx(_losses(eager, lambda m, step: m(batches[step])), rel=1e-5)
+    kept = _kept_for_backward(graph())
+    for layer in range(3):  # the layers' outputs and dropout masks only
+        inside = {name: node for name, node in kept.items() if f"/blocks.{layer}/" in name}
+        assert all(node.op_type == "Add" or node.op_type == "Dropout" and name == node.output[1]
+                   for name, node in inside.items()), sorted(inside)
+    assert any("/blocks.3/fc1/" in name for name in kept)  # the last layer keeps its activations
+
+
+@pytest.mark.parametrize("value, message", [
+    ("2", "ORTMODULE_MEMORY_OPT_LEVEL='2' is not supported by ort_trainer's ORTModule: "
+          "TRANSFORMER_LAYERWISE_RECOMPUTE_WITH_COMPROMISE (ONNX Runtime's memory optimizer's compromised "
+          "subgraphs) is not implemented; use 0 (off) or 1 (layer-wise recompute)"),
+    ("on", "ORTMODULE_MEMORY_OPT_LEVEL='on' must be 0 (off) or 1 (layer-wise recompute)")])
+def test_unsupported_memory_opt_levels_are_refused_by_name(monkeypatch, value, message):
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ORTModule(Blocks(None))
+
+
+def test_memory_opt_level_1_without_a_stack_of_layers_says_so(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
+    model = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    with pytest.warns(UserWarning, match=re.escape(
+            "ORTMODULE_MEMORY_OPT_LEVEL=1: Sequential has no stack of layers to recompute (an nn.ModuleList or "
+            "nn.Sequential of at least 2 modules of one class); nothing is recomputed but its "
+            "torch.utils.checkpoint segments")):
+        model(torch.randn(2, 4)).sum().backward()
 
 
 def test_dropout_inside_a_segment_is_applied_again_not_drawn_again():

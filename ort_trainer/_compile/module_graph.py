@@ -15,7 +15,6 @@ import onnx
 import torch
 
 from .._configuration.ortmodule_settings import LogLevel
-from .._export.checkpointing import segment_of
 from .._export.outputs import output_names
 from .._export.trace import export_training_model, graph_name
 from .._graph.autocast import cast_outputs, lower_precision
@@ -25,7 +24,7 @@ from .._graph.cpu_low_precision import low_precision_in_fp32
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
                                     outputs_reaching, outputs_read_by_backward)
-from .._graph.recompute import recompute_in_backward
+from .._graph.recompute import module_groups, recompute_in_backward
 from .._graph.torch_node_shapes import declare_torch_node_outputs
 from .._graph.training_graphs import draws_random_numbers
 from .._runtime.module_runner import ModuleRunner
@@ -86,9 +85,11 @@ class ModuleGraph:
             pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
             log=lambda message: _info(settings, message))
         model_proto = built.model
-        recomputed = needs_grad and recompute_in_backward(model_proto, built.forward, segment_of)
+        recomputed = needs_grad and recompute_in_backward(model_proto, built.forward,
+                                                          module_groups(model, settings.layer_recompute))
         if recomputed:
-            _info(settings, "checkpointed segments: %d nodes recomputed in the backward", recomputed)
+            _info(settings, "%d nodes recomputed in the backward (checkpointed segments%s)", recomputed,
+                  ", layers" if settings.layer_recompute else "")
         self.non_differentiable, self.full_shape_grads = built.non_differentiable, built.full_shape_grads
         describe_outputs(model_proto, outputs, schema.dtypes, schema.shapes)
         self.batch_statistics.describe(model_proto)

@@ -3,7 +3,8 @@ of ONNX Runtime's ORTModule (read once, when an ORTModule is created; the variab
 DebugOptions, as in the original).
 
 Implemented: ORTMODULE_ONNX_OPSET_VERSION, ORTMODULE_FALLBACK_POLICY, ORTMODULE_LOG_LEVEL,
-ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER. The others of the original are
+ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER, ORTMODULE_MEMORY_OPT_LEVEL (0, or 1:
+the model's layers recomputed in the backward, `_graph.recompute.module_groups`). The others of the original are
 accepted at the value that matches what this ORTModule does and refused, by name, at any value
 that asks for a feature it lacks (`_REFUSED`); other `ORTMODULE_*` variables get a warning that
 they are not read.
@@ -30,7 +31,7 @@ _REFUSED = {
     "ORTMODULE_PRINT_MEMORY_STATS": ("0", "the memory inspector is not implemented"),
 }
 _READ = {"ORTMODULE_ONNX_OPSET_VERSION", "ORTMODULE_FALLBACK_POLICY", "ORTMODULE_LOG_LEVEL",
-         "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", *_REFUSED}
+         "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "ORTMODULE_MEMORY_OPT_LEVEL", *_REFUSED}
 
 
 class LogLevel(enum.IntEnum):
@@ -101,6 +102,7 @@ class Settings:
     compute_optimizer: bool
     save_directory: str | None  # None: save nothing
     onnx_prefix: str
+    layer_recompute: bool  # ORTMODULE_MEMORY_OPT_LEVEL=1
 
     @property
     def ort_severity(self):
@@ -139,7 +141,8 @@ def settings(debug_options, environ=os.environ):
                              "for DebugOptions(save_onnx=True)")
     return Settings(log_level=_log_level(environ, debug_options.log_level), opset=_opset(environ),
                     fallback=_fallback(environ), compute_optimizer=_flag(environ, "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"),
-                    save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix)
+                    save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix,
+                    layer_recompute=_memory_opt_level(environ) == 1)
 
 
 def _log_level(environ, default):
@@ -158,6 +161,18 @@ def _opset(environ):
     if not value.strip().isdigit() or int(value) not in _OPSETS:
         raise ValueError(f"ORTMODULE_ONNX_OPSET_VERSION={value!r} must be an ONNX opset from {_OPSETS.start} to "
                          f"{_OPSETS.stop - 1}")
+    return int(value)
+
+
+def _memory_opt_level(environ):
+    """ORTMODULE_MEMORY_OPT_LEVEL: 0 (the default) or 1 (TRANSFORMER_LAYERWISE_RECOMPUTE)."""
+    value = environ.get("ORTMODULE_MEMORY_OPT_LEVEL", "0")
+    if value.strip() == "2":
+        raise ValueError("ORTMODULE_MEMORY_OPT_LEVEL='2' is not supported by ort_trainer's ORTModule: "
+                         "TRANSFORMER_LAYERWISE_RECOMPUTE_WITH_COMPROMISE (ONNX Runtime's memory optimizer's "
+                         "compromised subgraphs) is not implemented; use 0 (off) or 1 (layer-wise recompute)")
+    if value.strip() not in ("0", "1"):
+        raise ValueError(f"ORTMODULE_MEMORY_OPT_LEVEL={value!r} must be 0 (off) or 1 (layer-wise recompute)")
     return int(value)
 
 

@@ -27,6 +27,7 @@ import onnx
 import torch
 
 from .._configuration.options import recomputes
+from .._export.checkpointing import segment_of
 from .._onnx import constant_values
 from .missing_gradient import torch_module
 
@@ -206,6 +207,26 @@ class Recompute:
         training.graph.node.extend(ordered)
         if moves and not any(o.domain == _MS_DOMAIN for o in training.opset_import):
             training.opset_import.append(onnx.helper.make_opsetid(_MS_DOMAIN, 1))
+
+
+def module_groups(model, layers):
+    """`recompute_in_backward`'s groups for ORTModule: a node's checkpointed segment
+    (`_export.checkpointing`); with `layers` (ORTMODULE_MEMORY_OPT_LEVEL=1) else its layer among
+    the model's stack of layers (`layer_stack`), the last one excepted, as ORTTrainer's
+    transformer_layer_recompute. A model without a stack gets a warning and its segments only."""
+    stack = layer_stack(model) if layers else None
+    if layers and stack is None:
+        warnings.warn(f"ORTMODULE_MEMORY_OPT_LEVEL=1: {type(model).__name__} has no stack of layers to recompute (an "
+                      "nn.ModuleList or nn.Sequential of at least 2 modules of one class); nothing is recomputed "
+                      "but its torch.utils.checkpoint segments")
+
+    def group_of(name):
+        segment = segment_of(name)
+        if segment is not None or stack is None:
+            return None if segment is None else ("segment", segment)
+        layer = _scope_layer(torch_module(name), stack[0])
+        return None if layer is None or layer >= stack[1] - 1 else ("layer", layer)
+    return group_of
 
 
 def recompute_in_backward(training, forward, group_of):
