@@ -181,15 +181,18 @@ def test_hugging_face_gradient_checkpointing_trains_like_eager(tmp_path, monkeyp
     assert not attention  # the attention probabilities are recomputed, not kept
 
 
-def test_ort_trainer_trains_a_reentrant_checkpointed_model_like_eager():
-    """Refused before (torch's CheckpointFunction is a custom autograd.Function); the export inlines it."""
+@pytest.mark.parametrize("form", ["reentrant", "non_reentrant"])
+def test_ort_trainer_trains_a_checkpointed_model_like_eager_and_recomputes_the_segments(form, tmp_path):
+    """The reentrant form was refused (torch's CheckpointFunction is a custom autograd.Function)."""
     torch.manual_seed(0)
-    model = Blocks("reentrant")
+    model = Blocks(form)
     eager = copy.deepcopy(model)
     eager.form = None  # torch's reentrant form gives no gradient from inputs that need none
     batches = _batches()
+    path = tmp_path / "training.onnx"
     trainer = ORTTrainer(model, {"inputs": [("x", [3, 5, 16])], "outputs": [("loss", [], True)]},
-                         optim.AdamConfig(lr=1e-2), options={"utils": {"grad_norm_clip": False}})
+                         optim.AdamConfig(lr=1e-2), options={"utils": {"grad_norm_clip": False}, "debug": {
+                             "graph_save_paths": {"model_with_training_graph_path": str(path)}}})
     ours = [trainer.train_step(batch.detach()).item() for batch in batches]
     adam = torch.optim.Adam(eager.parameters(), lr=1e-2)
     expected = []
@@ -200,3 +203,5 @@ def test_ort_trainer_trains_a_reentrant_checkpointed_model_like_eager():
         adam.zero_grad()
         expected.append(loss.item())
     assert ours == pytest.approx(expected, rel=1e-5)
+    copies = [node for node in onnx.load(path).graph.node if node.name.endswith("_recompute")]
+    assert {node.op_type for node in copies} >= {"LayerNormalization", "MatMul", "Gelu"}

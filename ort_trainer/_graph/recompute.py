@@ -106,8 +106,7 @@ class Recompute:
         constants = constant_values(model)
         modes = {id(node): _dropout_mode(node, constants) for node in nodes
                  if node.op_type == "Dropout" and _is_onnx(node)}
-        groups = (self._layer_groups(nodes, producers, modes, {o.name for o in model.graph.output})
-                  if self._layers else [])
+        groups = self._groups(nodes, producers, modes, {o.name for o in model.graph.output})
         taken = {id(node) for group in groups for node in group}
         found = {"gelu_recompute": 0, "attn_dropout_recompute": 0}
         for node in nodes:
@@ -135,19 +134,23 @@ class Recompute:
                 model.graph.value_info[-1].name = _recomputed(info.name)
         return model.SerializeToString(), (forward, [{copy.name for copy in group} for group in copies])
 
-    def _layer_groups(self, nodes, producers, modes, graph_outputs):
-        """The nodes of each recomputed layer, in graph order (the graph is topologically sorted).
+    def _groups(self, nodes, producers, modes, graph_outputs):
+        """The nodes of each recomputed checkpointed segment (`_export.checkpointing`: recomputed
+        whatever the options) and, with transformer_layer_recompute, of each recomputed layer, in
+        graph order (the graph is topologically sorted).
 
         A node belongs to layer i of the stack when the exporter named it inside module
-        `<stack>.<i>`; a node ORT's optimizations renamed ('Gelu_token_3') to the layer all the
-        nodes it reads from belong to. A layer's outputs (what later layers and the loss read) are
-        not recomputed: the next layer's backward reads them anyway, and copies of them would have
-        to run as soon as that backward starts.
+        `<stack>.<i>`; a node ORT's optimizations renamed ('Gelu_token_3') to the layer (segment)
+        all the nodes it reads from belong to. A layer's (segment's) outputs (what later layers
+        and the loss read) are not recomputed: the next layer's backward reads them anyway, and
+        copies of them would have to run as soon as that backward starts.
         """
-        stack, count = self._layers
+        stack, count = self._layers or (None, 0)
         layer_of = {}
         for node in nodes:
-            layer = _scope_layer(torch_module(node.name), stack)
+            segment = segment_of(node.name)
+            layer = ("segment", segment) if segment is not None else (
+                None if stack is None else _scope_layer(torch_module(node.name), stack))
             if layer is None:
                 sources = {layer_of.get(id(producers[name])) for name in node.input if name in producers}
                 layer = sources.pop() if len(sources) == 1 else None
@@ -160,10 +163,11 @@ class Recompute:
 
         def recomputed(node, layer):
             return (layer_of.get(id(node)) == layer and node.op_type not in _KEPT
-                    and modes.get(id(node), False) is not None
+                    and node.op_type not in _RANDOM_CONTRIB and modes.get(id(node), False) is not None
                     and all(read_by.get(output, set()) <= {layer} for output in node.output if output))
 
-        groups = [[node for node in nodes if recomputed(node, layer)] for layer in range(count)]
+        segments = sorted({layer for layer in layer_of.values() if isinstance(layer, tuple)})
+        groups = [[node for node in nodes if recomputed(node, layer)] for layer in [*segments, *range(count)]]
         return [group for group in groups if group]
 
     # ------------------------------------------------------------------ after the gradient
@@ -227,6 +231,12 @@ def module_groups(model, layers):
         layer = _scope_layer(torch_module(name), stack[0])
         return None if layer is None or layer >= stack[1] - 1 else ("layer", layer)
     return group_of
+
+
+def has_copies(model):
+    """Whether `model` (an ONNX model) computes recompute copies: its sessions run in PRIORITY_BASED
+    order, which `Recompute.schedule` orders them for."""
+    return any(node.name.endswith(_SUFFIX) for node in model.graph.node)
 
 
 def recompute_in_backward(training, forward, group_of):
