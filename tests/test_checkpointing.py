@@ -205,3 +205,29 @@ def test_ort_trainer_trains_a_checkpointed_model_like_eager_and_recomputes_the_s
     assert ours == pytest.approx(expected, rel=1e-5)
     copies = [node for node in onnx.load(path).graph.node if node.name.endswith("_recompute")]
     assert {node.op_type for node in copies} >= {"LayerNormalization", "MatMul", "Gelu"}
+
+
+def test_transformers_trainer_gradient_checkpointing_runs_in_the_graph(tmp_path):
+    """Trainer(gradient_checkpointing=True) calls the model's gradient_checkpointing_enable()
+    (reentrant): that ran in PyTorch (the fallback) before."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers.Trainer's PyTorch backend")
+    from examples.gpt2.data import BlockDataset
+
+    blocks = torch.randint(0, 96, (16, 12), generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for engine in ("ort", "torch"):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=96, n_positions=12, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / engine), report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+            per_device_train_batch_size=4, max_steps=3, learning_rate=3e-3, logging_steps=1, save_strategy="no",
+            gradient_checkpointing=True)
+        trainer = transformers.Trainer(model=ORTModule(model) if engine == "ort" else model, args=args,
+                                       train_dataset=BlockDataset(blocks))
+        trainer.train()
+        losses[engine] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses["ort"]) == 3
+    assert losses["ort"] == pytest.approx(losses["torch"], abs=1.01e-4)  # Trainer logs 4 decimals
