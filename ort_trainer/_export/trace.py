@@ -67,8 +67,8 @@ class TracedStep(torch.nn.Module):
 def _export(module, args, **kwargs):
     """torch.onnx.export (TorchScript) with our symbolics, the Hugging Face patches and checkpointed
     segments inlined (`checkpointing`), every train/eval flag and the RNG kept; returns the
-    serialized model. Our own errors pass as they are, the exporter's become an ExportError naming the operator; a trace whose Python code read tensor
-    values raises DataDependentTraceError."""
+    serialized model. Our own errors pass as they are, the exporter's become an ExportError naming
+    the operator; a trace whose Python code read tensor values raises DataDependentTraceError."""
     buffer = io.BytesIO()
     try:
         with our_symbolics(), training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \

@@ -248,9 +248,9 @@ def recompute_in_backward(training, forward, group_of):
     ONNX Runtime's builder differentiates first here, so the copies come after it, unlike
     `Recompute.add_nodes`: the builder's nodes are rewired to them. `forward`: the names of the
     builder's forward nodes. A node ONNX Runtime's fusions renamed (no '/' in its name:
-    'Gelu_token_2') is in the group of all the nodes it reads from. A group's outputs that forward nodes outside it (or the
-    outputs) read are kept, as torch's checkpoint keeps a segment's inputs and outputs; Dropout is
-    recomputed from its mask (`_copies`), other random ops are kept.
+    'Gelu_token_2') is in the group of all the nodes it reads from. A group's outputs that forward
+    nodes outside it (or the outputs) read are kept, as torch's checkpoint keeps a segment's
+    inputs and outputs; Dropout is recomputed from its mask (`_copies`), other random ops are kept.
     """
     nodes = list(training.graph.node)
     yield_node = next(node for node in nodes if node.op_type == "YieldOp")

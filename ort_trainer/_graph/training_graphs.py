@@ -46,11 +46,12 @@ def _scale_loss(model, loss_name):
 
 def _gradient_graph(model, trainable, loss_name, options, *, recompute=None, lower=None):
     """ORT's training graph of `model` (gradients of `loss_name` for `trainable`), as an ONNX model.
-    `recompute` (a `_graph.recompute.Recompute`, or None) adds its copies to the optimized forward and
-    schedules them in the training graph; torch.utils.checkpoint's segments are recomputed either way. `lower`: rewrites the optimized forward (an ONNX model, in
-    place) before the gradient is built: the mixed-precision casts, placed after ORT's optimizer so
-    that its cast propagation cannot move them (on the CPU, a cast it moves next to one the CPU
-    provider inserts is folded away, and with it the rounding).
+    `recompute` (a `_graph.recompute.Recompute`, or None) adds its copies to the optimized forward
+    and schedules them in the training graph; torch.utils.checkpoint's segments are recomputed
+    either way. `lower`: rewrites the optimized forward (an ONNX model, in place) before the
+    gradient is built: the mixed-precision casts, placed after ORT's optimizer so that its cast
+    propagation cannot move them (on the CPU, a cast it moves next to one the CPU provider inserts
+    is folded away, and with it the rounding).
 
     Raises MissingGradientError when an op on the way lacks a gradient, chained to ORT's error.
     """
