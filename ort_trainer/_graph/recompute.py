@@ -215,8 +215,8 @@ class Recompute:
 
 def module_groups(model, layers):
     """`recompute_in_backward`'s groups for ORTModule: a node's checkpointed segment
-    (`_export.checkpointing`); with `layers` (ORTMODULE_MEMORY_OPT_LEVEL=1) else its layer among
-    the model's stack of layers (`layer_stack`), the last one excepted, as ORTTrainer's
+    (`_export.checkpointing`), else, with `layers` (ORTMODULE_MEMORY_OPT_LEVEL=1), its layer in
+    the model's stack of layers (`layer_stack`) but the last one, as ORTTrainer's
     transformer_layer_recompute. A model without a stack gets a warning and its segments only."""
     stack = layer_stack(model) if layers else None
     if layers and stack is None:
@@ -283,6 +283,8 @@ def recompute_in_backward(training, forward, group_of):
                 and modes.get(id(node), False) is not None
                 and all(read_by.get(output, set()) <= {key} for output in node.output if output)):
             groups.setdefault(key, []).append(node)
+    if not groups:
+        return 0
     copies = [_copies(members, modes) for members in groups.values()]
     recomputed = {output[:-len(_SUFFIX)]: index for index, group in enumerate(copies) for node in group
                   for output in node.output}
