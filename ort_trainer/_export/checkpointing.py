@@ -13,6 +13,7 @@ are replaced, only while tracing. A non-reentrant `context_fn` (selective checkp
 entered: the whole segment is recomputed, the same values.
 """
 import contextlib
+import itertools
 import re
 
 import torch
@@ -33,7 +34,7 @@ def checkpoints_inlined():
     """While an export traces: every torch.utils.checkpoint segment runs its function inline (once,
     no autograd.Function, no RNG stash: the graph keeps its random masks) inside scope
     `_checkpoint_<n>`."""
-    count = iter(range(1 << 62))
+    count = itertools.count()
     reentrant = torch_checkpoint.CheckpointFunction.__dict__.get("apply")
     generator = torch_checkpoint._checkpoint_without_reentrant_generator
 
