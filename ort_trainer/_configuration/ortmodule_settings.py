@@ -4,10 +4,10 @@ DebugOptions, as in the original).
 
 Implemented: ORTMODULE_ONNX_OPSET_VERSION, ORTMODULE_FALLBACK_POLICY, ORTMODULE_LOG_LEVEL,
 ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER, ORTMODULE_MEMORY_OPT_LEVEL (0, or 1:
-the model's layers recomputed in the backward, `_graph.recompute.module_groups`). The others of the original are
-accepted at the value that matches what this ORTModule does and refused, by name, at any value
-that asks for a feature it lacks (`_REFUSED`); other `ORTMODULE_*` variables get a warning that
-they are not read.
+the model's layers recomputed in the backward, `_graph.recompute.module_groups`; 2 refused). The
+others of the original are accepted at the value that matches what this ORTModule does and
+refused, by name, at any value that asks for a feature it lacks (`_REFUSED`); other `ORTMODULE_*`
+variables get a warning that they are not read.
 """
 import enum
 import os
