@@ -598,11 +598,11 @@ def test_environment_variables_at_supported_values_and_unknown_ones(monkeypatch,
                             ("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "1")]:
         monkeypatch.setenv(variable, value)
     ORTModule(models.mlp())
-    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
-    with pytest.warns(UserWarning, match=r"environment variables \['ORTMODULE_MEMORY_OPT_LEVEL'\] are not read by "
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_CONFIG", "plan.json")
+    with pytest.warns(UserWarning, match=r"environment variables \['ORTMODULE_MEMORY_OPT_CONFIG'\] are not read by "
                                          r"ort_trainer's ORTModule"):
         ORTModule(models.mlp())
-    monkeypatch.delenv("ORTMODULE_MEMORY_OPT_LEVEL")
+    monkeypatch.delenv("ORTMODULE_MEMORY_OPT_CONFIG")
     monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match=r"ORTMODULE_SAVE_ONNX_PATH='.*missing' must be a writable directory for "
                                          r"DebugOptions\(save_onnx=True\)"):

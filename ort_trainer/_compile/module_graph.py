@@ -24,6 +24,7 @@ from .._graph.cpu_low_precision import low_precision_in_fp32
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
                                     outputs_reaching, outputs_read_by_backward)
+from .._graph.recompute import module_groups, recompute_in_backward
 from .._graph.torch_node_shapes import declare_torch_node_outputs
 from .._graph.training_graphs import draws_random_numbers
 from .._runtime.module_runner import ModuleRunner
@@ -85,6 +86,11 @@ class ModuleGraph:
             pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
             log=lambda message: _info(settings, message))
         model_proto = built.model
+        recomputed = needs_grad and recompute_in_backward(model_proto, built.forward,
+                                                          module_groups(model, settings.layer_recompute))
+        if recomputed:
+            _info(settings, "%d nodes recomputed in the backward (checkpointed segments%s)", recomputed,
+                  ", layers" if settings.layer_recompute else "")
         self.non_differentiable, self.full_shape_grads = built.non_differentiable, built.full_shape_grads
         describe_outputs(model_proto, outputs, schema.dtypes, schema.shapes)
         self.batch_statistics.describe(model_proto)
@@ -103,7 +109,8 @@ class ModuleGraph:
             sessions, model_proto.SerializeToString(), inputs, graph_outputs,
             len(outputs) + len(self.batch_statistics.outputs), trains=needs_grad,
             draws_random_numbers=draws_random_numbers(model_proto),
-            optimized_model_path=_path(settings, "execution_model", training=needs_grad))
+            optimized_model_path=_path(settings, "execution_model", training=needs_grad),
+            priority_order=bool(recomputed))
         sources = {**{name: (Source.CALL, name) for name in user},
                    **{name: (Source.WEIGHT, by_graph_name[name]) for name in weights},
                    **{name: (Source.WEIGHT_WITHOUT_GRADIENT, by_graph_name[name[:-len(NO_GRADIENT_SUFFIX)]])

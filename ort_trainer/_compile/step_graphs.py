@@ -8,6 +8,7 @@ import onnx
 
 from .._export.batch_norm import sync_batch_norm_refused
 from .._graph.batch_norm import BatchStatistics, running_statistics
+from .._graph.recompute import has_copies
 from .._graph.training_graphs import LOSS_SCALE_INPUT, build_graphs, draws_random_numbers
 from .._runtime.compiled_graph import CompiledGraph, WeightBindings
 from .._runtime.session_config import save_graphs
@@ -123,6 +124,8 @@ class StepCompiler:
                     providers=self._sessions.providers)
         present = [name for name, value in values.items() if value is not None]
         feeds = {LOSS_SCALE_INPUT: loss_scale} if settings.loss_scaling else None
+        training_model = onnx.load_from_string(training)
         return CompiledGraph(training, evaluation, self._sessions, WeightBindings(flat, {**frozen, **running}, feeds),
                              present, outputs, model_state=model_state, batch_statistics=statistics,
-                             draws_random_numbers=draws_random_numbers(training))
+                             draws_random_numbers=draws_random_numbers(training_model),
+                             priority_order=has_copies(training_model))

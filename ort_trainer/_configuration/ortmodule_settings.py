@@ -4,10 +4,11 @@ DebugOptions, as in the original).
 
 Implemented: ORTMODULE_ONNX_OPSET_VERSION, ORTMODULE_FALLBACK_POLICY, ORTMODULE_LOG_LEVEL,
 ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER, ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT
-(1: a model computed through custom autograd.Functions is refused, so it runs in PyTorch). The others of the original are
-accepted at the value that matches what this ORTModule does and refused, by name, at any value
-that asks for a feature it lacks (`_REFUSED`); other `ORTMODULE_*` variables get a warning that
-they are not read.
+(1: a model computed through custom autograd.Functions is refused, so it runs in PyTorch),
+ORTMODULE_MEMORY_OPT_LEVEL (0, or 1: the model's layers recomputed in the backward,
+`_graph.recompute.module_groups`; 2 refused). The others of the original are accepted at the value
+that matches what this ORTModule does and refused, by name, at any value that asks for a feature it
+lacks (`_REFUSED`); other `ORTMODULE_*` variables get a warning that they are not read.
 """
 import enum
 import os
@@ -32,7 +33,7 @@ _REFUSED = {
 }
 _READ = {"ORTMODULE_ONNX_OPSET_VERSION", "ORTMODULE_FALLBACK_POLICY", "ORTMODULE_LOG_LEVEL",
          "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT",
-         *_REFUSED}
+         "ORTMODULE_MEMORY_OPT_LEVEL", *_REFUSED}
 
 
 class LogLevel(enum.IntEnum):
@@ -104,6 +105,7 @@ class Settings:
     custom_functions: bool  # custom autograd.Functions run in the graph (else the model is refused: fallback)
     save_directory: str | None  # None: save nothing
     onnx_prefix: str
+    layer_recompute: bool  # ORTMODULE_MEMORY_OPT_LEVEL=1
 
     @property
     def ort_severity(self):
@@ -143,7 +145,8 @@ def settings(debug_options, environ=os.environ):
     return Settings(log_level=_log_level(environ, debug_options.log_level), opset=_opset(environ),
                     fallback=_fallback(environ), compute_optimizer=_flag(environ, "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"),
                     custom_functions=not _flag(environ, "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", default="0"),
-                    save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix)
+                    save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix,
+                    layer_recompute=_memory_opt_level(environ) == 1)
 
 
 def _log_level(environ, default):
@@ -162,6 +165,18 @@ def _opset(environ):
     if not value.strip().isdigit() or int(value) not in _OPSETS:
         raise ValueError(f"ORTMODULE_ONNX_OPSET_VERSION={value!r} must be an ONNX opset from {_OPSETS.start} to "
                          f"{_OPSETS.stop - 1}")
+    return int(value)
+
+
+def _memory_opt_level(environ):
+    """ORTMODULE_MEMORY_OPT_LEVEL: 0 (the default) or 1 (TRANSFORMER_LAYERWISE_RECOMPUTE)."""
+    value = environ.get("ORTMODULE_MEMORY_OPT_LEVEL", "0")
+    if value.strip() == "2":
+        raise ValueError("ORTMODULE_MEMORY_OPT_LEVEL='2' is not supported by ort_trainer's ORTModule: "
+                         "TRANSFORMER_LAYERWISE_RECOMPUTE_WITH_COMPROMISE (ONNX Runtime's memory optimizer's "
+                         "compromised subgraphs) is not implemented; use 0 (off) or 1 (layer-wise recompute)")
+    if value.strip() not in ("0", "1"):
+        raise ValueError(f"ORTMODULE_MEMORY_OPT_LEVEL={value!r} must be 0 (off) or 1 (layer-wise recompute)")
     return int(value)
 
 

@@ -42,7 +42,9 @@ def custom_functions(tensors, inputs=()):
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        # torch's reentrant checkpoint is inlined by the export and recomputed by the graph (`checkpointing`)
+        if (isinstance(node, torch.autograd.function.BackwardCFunction)
+                and node._forward_cls is not torch.utils.checkpoint.CheckpointFunction):
             found.add(f"{node._forward_cls.__module__}.{node._forward_cls.__qualname__}")
         stack.extend(next_node for next_node, _ in node.next_functions)
     return sorted(found)
@@ -51,9 +53,6 @@ def custom_functions(tensors, inputs=()):
 def custom_functions_refused(functions, remedy):
     """The error for a model computed through custom autograd.Functions (`custom_functions`),
     ending with what the caller can do about it."""
-    if any(name.startswith("torch.utils.checkpoint.") for name in functions):
-        remedy = ("torch.utils.checkpoint with use_reentrant=True: leave the checkpointing out (Hugging Face: "
-                  "model.gradient_checkpointing_disable()) or call it with use_reentrant=False")
     return NotImplementedError(
         f"the model's outputs are computed through custom torch.autograd.Functions {functions}: the exported "
         f"graph would differentiate their inlined forward instead of running their backward ({remedy})")

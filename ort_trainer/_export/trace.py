@@ -18,6 +18,7 @@ import torch
 from .autograd_functions import AutogradFunctionRefused
 from .batch_norm import running_statistics_kept
 from .binding import BindingError, present_inputs, select_outputs, training_flags_kept
+from .checkpointing import checkpoints_inlined
 from .guards import DataDependentTraceError, watch_data_dependence
 from .hf_compat import export_patches
 from .symbolics import our_symbolics
@@ -67,14 +68,15 @@ class TracedStep(torch.nn.Module):
 
 
 def _export(module, args, **kwargs):
-    """torch.onnx.export (TorchScript) with our symbolics and the Hugging Face patches, every
-    train/eval flag and the RNG kept; returns the serialized model. Our own errors pass as they are, the
-    exporter's become an ExportError naming the operator; a trace whose Python code read tensor
-    values raises DataDependentTraceError."""
+    """torch.onnx.export (TorchScript) with our symbolics, the Hugging Face patches and checkpointed
+    segments inlined (`checkpointing`), every train/eval flag and the RNG kept; returns the
+    serialized model. Our own errors pass as they are, the exporter's become an ExportError naming
+    the operator; a trace whose Python code read tensor values raises DataDependentTraceError."""
     buffer = io.BytesIO()
     try:
         with our_symbolics(), training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
-                state_dict_pre_hooks_held(module), export_patches(module), NoGradValuesDetached(), \
+                state_dict_pre_hooks_held(module), export_patches(module), checkpoints_inlined(), \
+                NoGradValuesDetached(), \
                 watch_data_dependence() as data_dependent:
             for message in _EXPORTER_NOTICES:
                 warnings.filterwarnings("ignore", message=message)

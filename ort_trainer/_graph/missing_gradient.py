@@ -2,6 +2,7 @@
 Runtime cannot differentiate, named with the torch module it came from."""
 import re
 
+from .._export.checkpointing import SCOPE as CHECKPOINT_SCOPE
 from .._onnx import computed_from, needed_for
 
 
@@ -35,9 +36,10 @@ def torch_module(node_name):
     container: '/model/backbone/layers/layers.0/norm/InstanceNormalization' is module
     'backbone.layers.0.norm' ('model' is the attribute that holds the user's model in the
     exported wrapper). A ModuleDict's entries appear under their key alone, and a module's later
-    calls as '<name>_1', '<name>_2', ... (indistinguishable from modules so named).
+    calls as '<name>_1', '<name>_2', ... (indistinguishable from modules so named). The scopes of
+    checkpointed segments (`_export.checkpointing`) are no modules.
     """
-    scopes = node_name.strip("/").split("/")[:-1]
+    scopes = [scope for scope in node_name.strip("/").split("/")[:-1] if not scope.startswith(CHECKPOINT_SCOPE)]
     if not scopes or scopes[0] != "model":
         return None
     path = []

@@ -29,12 +29,14 @@ class BuiltModuleGraph:
     """The builder's result. `model`: the graph (ModelProto). `differentiated`: the inputs whose
     gradients the backward returns, in order. `non_differentiable`: indices of outputs ONNX
     Runtime marks non-differentiable. `full_shape_grads`: indices of outputs whose gradient must
-    have the output's shape (others may be a scalar zero)."""
+    have the output's shape (others may be a scalar zero). `forward`: the names of the forward's
+    nodes (those of the training graph before its YieldOp that the builder did not add)."""
 
     model: onnx.ModelProto
     differentiated: list
     non_differentiable: list
     full_shape_grads: set
+    forward: frozenset
 
 
 def build_module_graph(exported, initializers, trainable, requiring_grad, outputs, shapes, *, trains, severity,
@@ -69,12 +71,14 @@ def build_module_graph(exported, initializers, trainable, requiring_grad, output
             log("ONNX Runtime's compute optimizer changed the shapes of the outputs; built without it")
         compute_optimizer = False
     info = builder.get_graph_info()
-    model = onnx.load_from_string(builder.get_gradient_model() if trains else builder.get_forward_model())
+    forward_model = onnx.load_from_string(builder.get_forward_model())
+    model = onnx.load_from_string(builder.get_gradient_model()) if trains else forward_model
     finish_torch_node_gradients(model)
     return BuiltModuleGraph(
         model=model, differentiated=requiring_grad + trainable,
         non_differentiable=list(info.output_grad_indices_non_differentiable) if trains else [],
-        full_shape_grads=set(info.output_grad_indices_require_full_shape) if trains else set())
+        full_shape_grads=set(info.output_grad_indices_require_full_shape) if trains else set(),
+        forward=frozenset(node.name for node in forward_model.graph.node))
 
 
 def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trains, severity, compute_optimizer,

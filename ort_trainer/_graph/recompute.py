@@ -27,6 +27,7 @@ import onnx
 import torch
 
 from .._configuration.options import recomputes
+from .._export.checkpointing import segment_of
 from .._onnx import constant_values
 from .missing_gradient import torch_module
 
@@ -38,6 +39,7 @@ _GELUS = {"Gelu", "BiasGelu", "FastGelu", "QuickGelu"}
 # would draw other numbers); their recomputed consumers read the forward's outputs.
 _KEPT = {"Constant", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
          "Bernoulli"}
+_RANDOM_CONTRIB = {"BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"}  # ONNX Runtime's fused dropouts: kept
 
 
 def _is_onnx(node):
@@ -104,8 +106,7 @@ class Recompute:
         constants = constant_values(model)
         modes = {id(node): _dropout_mode(node, constants) for node in nodes
                  if node.op_type == "Dropout" and _is_onnx(node)}
-        groups = (self._layer_groups(nodes, producers, modes, {o.name for o in model.graph.output})
-                  if self._layers else [])
+        groups = self._groups(nodes, producers, modes, {o.name for o in model.graph.output})
         taken = {id(node) for group in groups for node in group}
         found = {"gelu_recompute": 0, "attn_dropout_recompute": 0}
         for node in nodes:
@@ -133,19 +134,23 @@ class Recompute:
                 model.graph.value_info[-1].name = _recomputed(info.name)
         return model.SerializeToString(), (forward, [{copy.name for copy in group} for group in copies])
 
-    def _layer_groups(self, nodes, producers, modes, graph_outputs):
-        """The nodes of each recomputed layer, in graph order (the graph is topologically sorted).
+    def _groups(self, nodes, producers, modes, graph_outputs):
+        """The nodes of each recomputed checkpointed segment (`_export.checkpointing`: recomputed
+        whatever the options) and, with transformer_layer_recompute, of each recomputed layer, in
+        graph order (the graph is topologically sorted).
 
         A node belongs to layer i of the stack when the exporter named it inside module
-        `<stack>.<i>`; a node ORT's optimizations renamed ('Gelu_token_3') to the layer all the
-        nodes it reads from belong to. A layer's outputs (what later layers and the loss read) are
-        not recomputed: the next layer's backward reads them anyway, and copies of them would have
-        to run as soon as that backward starts.
+        `<stack>.<i>`; a node ORT's optimizations renamed ('Gelu_token_3') to the layer (segment)
+        all the nodes it reads from belong to. A layer's (segment's) outputs (what later layers
+        and the loss read) are not recomputed: the next layer's backward reads them anyway, and
+        copies of them would have to run as soon as that backward starts.
         """
-        stack, count = self._layers
+        stack, count = self._layers or (None, 0)
         layer_of = {}
         for node in nodes:
-            layer = _scope_layer(torch_module(node.name), stack)
+            segment = segment_of(node.name)
+            layer = ("segment", segment) if segment is not None else (
+                None if stack is None else _scope_layer(torch_module(node.name), stack))
             if layer is None:
                 sources = {layer_of.get(id(producers[name])) for name in node.input if name in producers}
                 layer = sources.pop() if len(sources) == 1 else None
@@ -158,10 +163,11 @@ class Recompute:
 
         def recomputed(node, layer):
             return (layer_of.get(id(node)) == layer and node.op_type not in _KEPT
-                    and modes.get(id(node), False) is not None
+                    and node.op_type not in _RANDOM_CONTRIB and modes.get(id(node), False) is not None
                     and all(read_by.get(output, set()) <= {layer} for output in node.output if output))
 
-        groups = [[node for node in nodes if recomputed(node, layer)] for layer in range(count)]
+        segments = sorted({layer for layer in layer_of.values() if isinstance(layer, tuple)})
+        groups = [[node for node in nodes if recomputed(node, layer)] for layer in [*segments, *range(count)]]
         return [group for group in groups if group]
 
     # ------------------------------------------------------------------ after the gradient
@@ -205,6 +211,111 @@ class Recompute:
         training.graph.node.extend(ordered)
         if moves and not any(o.domain == _MS_DOMAIN for o in training.opset_import):
             training.opset_import.append(onnx.helper.make_opsetid(_MS_DOMAIN, 1))
+
+
+def module_groups(model, layers):
+    """`recompute_in_backward`'s groups for ORTModule: a node's checkpointed segment
+    (`_export.checkpointing`), else, with `layers` (ORTMODULE_MEMORY_OPT_LEVEL=1), its layer in
+    the model's stack of layers (`layer_stack`) but the last one, as ORTTrainer's
+    transformer_layer_recompute. A model without a stack gets a warning and its segments only."""
+    stack = layer_stack(model) if layers else None
+    if layers and stack is None:
+        warnings.warn(f"ORTMODULE_MEMORY_OPT_LEVEL=1: {type(model).__name__} has no stack of layers to recompute (an "
+                      "nn.ModuleList or nn.Sequential of at least 2 modules of one class); nothing is recomputed "
+                      "but its torch.utils.checkpoint segments")
+
+    def group_of(name):
+        segment = segment_of(name)
+        if segment is not None or stack is None:
+            return None if segment is None else ("segment", segment)
+        layer = _scope_layer(torch_module(name), stack[0])
+        return None if layer is None or layer >= stack[1] - 1 else ("layer", layer)
+    return group_of
+
+
+def has_copies(model):
+    """Whether `model` (an ONNX model) computes recompute copies: its sessions run in PRIORITY_BASED
+    order, which `Recompute.schedule` orders them for."""
+    return any(node.name.endswith(_SUFFIX) for node in model.graph.node)
+
+
+def recompute_in_backward(training, forward, group_of):
+    """ORTModule's training graph (forward, YieldOp, backward: `_graph.module_graphs`), in place:
+    the forward nodes `group_of(node name)` puts in a group (a checkpointed segment, a layer) get
+    copies, and the backward reads the copies instead of the forward's tensors, which the forward
+    frees once done with them. Returns the number of copies kept.
+
+    ONNX Runtime's builder differentiates first here, so the copies come after it, unlike
+    `Recompute.add_nodes`: the builder's nodes are rewired to them. `forward`: the names of the
+    builder's forward nodes. A node ONNX Runtime's fusions renamed (no '/' in its name:
+    'Gelu_token_2') is in the group of all the nodes it reads from. A group's outputs that forward
+    nodes outside it (or the outputs) read are kept, as torch's checkpoint keeps a segment's
+    inputs and outputs; Dropout is recomputed from its mask (`_copies`), other random ops are kept.
+    """
+    nodes = list(training.graph.node)
+    yield_node = next(node for node in nodes if node.op_type == "YieldOp")
+    backward = set(yield_node.output)
+    for node in nodes:
+        if backward.intersection(node.input):
+            backward.update(node.output)
+    is_backward = {id(node): bool(backward.intersection(node.input)) for node in nodes}
+    forward_nodes = [node for node in nodes if node.name in forward]
+    producers = {output: node for node in forward_nodes for output in node.output if output}
+    group = {}
+    for node in forward_nodes:
+        key = group_of(node.name)
+        if key is None and "/" not in node.name:
+            sources = {group.get(id(producers[name])) for name in node.input if name in producers}
+            key = sources.pop() if len(sources) == 1 else None
+        if key is not None:
+            group[id(node)] = key
+    read_by = {name: {None} for name in [*yield_node.input, *(o.name for o in training.graph.output)]}
+    for node in forward_nodes:
+        for name in node.input:
+            read_by.setdefault(name, set()).add(group.get(id(node)))
+    constants = constant_values(training)
+    modes = {id(node): _dropout_mode(node, constants) for node in forward_nodes
+             if node.op_type == "Dropout" and _is_onnx(node)}
+    groups = {}
+    for node in forward_nodes:
+        key = group.get(id(node))
+        if (key is not None and node.op_type not in _KEPT and node.op_type not in _RANDOM_CONTRIB
+                and modes.get(id(node), False) is not None
+                and all(read_by.get(output, set()) <= {key} for output in node.output if output)):
+            groups.setdefault(key, []).append(node)
+    if not groups:
+        return 0
+    copies = [_copies(members, modes) for members in groups.values()]
+    recomputed = {output[:-len(_SUFFIX)]: index for index, group in enumerate(copies) for node in group
+                  for output in node.output}
+    followers = [[] for _ in copies]
+    followed = {}  # output of a follower -> its group
+    for node in nodes:
+        if node.name in forward or node is yield_node:
+            continue
+        reads = [recomputed[name] for name in node.input if name in recomputed]
+        node.input[:] = [_recomputed(name) if name in recomputed else name for name in node.input]
+        reads += [followed[name] for name in node.input if name in followed]
+        if reads and not is_backward[id(node)]:
+            # a builder node that needs no gradient (the Reshape of a MatMul's input for its weight's
+            # gradient): it would run in the forward and keep what it reads; it runs after the copies
+            followers[reads[0]].append(node)
+            followed.update((output, reads[0]) for output in node.output)
+    moved = {node.name for group in followers for node in group}
+    del training.graph.node[:]
+    training.graph.node.extend(node for node in nodes if node.name not in moved)
+    for group, follow in zip(copies, followers):  # in order: the copies, then what reads them
+        training.graph.node.extend([*group, *follow])
+    for info in list(training.graph.value_info):  # torch nodes' copies get no inferred type
+        if info.name in recomputed:
+            training.graph.value_info.add().CopyFrom(info)
+            training.graph.value_info[-1].name = _recomputed(info.name)
+    before_backward = {node.name for node in nodes
+                       if not is_backward[id(node)] and node is not yield_node and node.name not in moved}
+    Recompute.schedule(training, (before_backward, [{node.name for node in [*group, *follow]}
+                                                    for group, follow in zip(copies, followers)]))
+    kept = {copy.name for group in copies for copy in group}
+    return sum(node.name in kept for node in training.graph.node)
 
 
 def _scope_layer(module, stack):

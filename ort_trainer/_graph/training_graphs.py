@@ -6,12 +6,14 @@ import functools
 import onnx
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
+from .._export.checkpointing import segment_of
 from .._onnx import quiet_session_options
 from .autocast import lower_precision
 from .cpu_kernels import kernel_substitutions
 from .fixes import (builder_fixes_after_optimization, disable_training_mode, padding_rows_without_gradient,
                     prepare_for_gradient, weights_as_inputs)
 from .missing_gradient import missing_gradient
+from .recompute import Recompute
 from .torch_node_shapes import declare_torch_node_outputs
 from .torch_nodes import finish_torch_node_gradients
 
@@ -44,11 +46,12 @@ def _scale_loss(model, loss_name):
 
 def _gradient_graph(model, trainable, loss_name, options, *, recompute=None, lower=None):
     """ORT's training graph of `model` (gradients of `loss_name` for `trainable`), as an ONNX model.
-    `recompute` (a `_graph.recompute.Recompute`, or None) adds its copies to the optimized forward and
-    schedules them in the training graph. `lower`: rewrites the optimized forward (an ONNX model, in
-    place) before the gradient is built: the mixed-precision casts, placed after ORT's optimizer so
-    that its cast propagation cannot move them (on the CPU, a cast it moves next to one the CPU
-    provider inserts is folded away, and with it the rounding).
+    `recompute` (a `_graph.recompute.Recompute`, or None) adds its copies to the optimized forward
+    and schedules them in the training graph; torch.utils.checkpoint's segments are recomputed
+    either way. `lower`: rewrites the optimized forward (an ONNX model, in place) before the
+    gradient is built: the mixed-precision casts, placed after ORT's optimizer so that its cast
+    propagation cannot move them (on the CPU, a cast it moves next to one the CPU provider inserts
+    is folded away, and with it the rounding).
 
     Raises MissingGradientError when an op on the way lacks a gradient, chained to ORT's error.
     """
@@ -57,6 +60,8 @@ def _gradient_graph(model, trainable, loss_name, options, *, recompute=None, low
         lower(forward)
     builder_fixes_after_optimization(forward)
     optimized = forward.SerializeToString()
+    if recompute is None and any(segment_of(node.name) is not None for node in forward.graph.node):
+        recompute = Recompute(gelu=False, attention_dropout=False, layers=None)  # checkpointed segments only
     if recompute is not None:
         optimized, plan = recompute.add_nodes(optimized)
     try:

@@ -49,14 +49,16 @@ class CompiledGraph:
     """
 
     def __init__(self, training_graph, eval_graph, sessions, weights, input_names, output_names, *,
-                 model_state=((), ()), batch_statistics=None, draws_random_numbers=False):
+                 model_state=((), ()), batch_statistics=None, draws_random_numbers=False, priority_order=False):
         """training_graph, eval_graph: serialized models. sessions: the placement's `Sessions`.
         weights: the `WeightBindings` both graphs read (flat parameters, frozen weights, running
         statistics, constant feeds). model_state: (train/eval flags, attributes) of the model when
         it was traced (`_export.guards.ModuleState`). batch_statistics: the
         `_graph.batch_norm.BatchStatistics` the training graph returns after `output_names`; each
         training run updates the running statistics from them. draws_random_numbers: the training
-        graph has dropout (ONNX Runtime's generator is seeded from torch's before each run)."""
+        graph has dropout (ONNX Runtime's generator is seeded from torch's before each run).
+        priority_order: the training graph runs in PRIORITY_BASED order (its recompute copies,
+        `_graph.recompute`)."""
         self.model_state = model_state
         self.batch_statistics = batch_statistics
         statistics = list(batch_statistics.outputs) if batch_statistics is not None else []
@@ -70,12 +72,12 @@ class CompiledGraph:
         self._bound = {}
         self._first_runs = {True: sessions.first_run(), False: sessions.first_run()}
         self._grads_bound_to = None
-        self._random = draws_random_numbers
+        self._random, self._priority_order = draws_random_numbers, priority_order
 
     def _session(self, training):
         if training not in self._bound:
             graph = self._graphs.pop(training)
-            session = self._sessions.create(graph)
+            session = self._sessions.create(graph, priority_order=training and self._priority_order)
             binding = session.io_binding()
             graph_inputs = {i.name for i in session.get_inputs()}
             self._weights.bind(binding, graph_inputs, self._sessions.placement)

@@ -15,13 +15,14 @@ class ModuleRunner:
     """`sessions`: the placement's `Sessions`; `model`: the serialized graph; `forward_outputs`:
     how many outputs its forward has (a training graph); `trains`: a training graph (forward,
     then backward) or the forward alone; `draws_random_numbers`: it has dropout.
-    `optimized_model_path`: where ONNX Runtime writes the graph it runs (debugging)."""
+    `optimized_model_path`: where ONNX Runtime writes the graph it runs (debugging).
+    `priority_order`: run its nodes in PRIORITY_BASED order (recompute copies, `_graph.recompute`)."""
 
     def __init__(self, sessions, model, input_names, output_names, forward_outputs, *, trains, draws_random_numbers,
-                 optimized_model_path=None):
+                 optimized_model_path=None, priority_order=False):
         self._sessions, self._random = sessions, draws_random_numbers
         self._first_run = sessions.first_run()
-        self._session = sessions.create(model, optimized_model_path=optimized_model_path)
+        self._session = sessions.create(model, optimized_model_path=optimized_model_path, priority_order=priority_order)
         placement = sessions.placement
         device = C.OrtDevice(C.OrtDevice.cuda() if placement.ort_device == "cuda" else C.OrtDevice.cpu(),
                              C.OrtDevice.default_memory(), placement.index)

@@ -2,6 +2,7 @@
 placement's stream, without ONNX Runtime's end-of-run sync), the session and run options as
 `RuntimeSettings` say, the device's memory policy, the provider check, the memory released around
 a session's first run, and ONNX Runtime's generator seeded from torch's."""
+import dataclasses
 import functools
 
 import onnx
@@ -41,8 +42,10 @@ class Sessions:
         self.memory = memory_policy(placement.torch_device, settings.mem_limit, self.providers)
         self.faster_in_torch = _products_faster_in_torch(placement, settings)
 
-    def session_options(self):
-        """A new SessionOptions of these settings (the user's own object when they gave one)."""
+    def session_options(self, *, priority_order=False):
+        """A new SessionOptions of these settings (the user's own object when they gave one);
+        `priority_order`: in PRIORITY_BASED order whatever the settings say (a graph with recompute
+        copies scheduled for it, `_graph.recompute`)."""
         options = quiet_session_options()
         options.log_severity_level = self._settings.log_severity
         options.intra_op_num_threads = self._settings.threads
@@ -52,14 +55,15 @@ class Sessions:
         entries = {"session.intra_op.allow_spinning": "0", **self.memory.config_entries()}
         for key, value in entries.items():
             options.add_session_config_entry(key, value)
-        return session_options_from(self._settings, options, entries)
+        settings = dataclasses.replace(self._settings, priority_order=True) if priority_order else self._settings
+        return session_options_from(settings, options, entries)
 
-    def create(self, model, *, optimized_model_path=None):
+    def create(self, model, *, optimized_model_path=None, priority_order=False):
         """An InferenceSession of `model` (serialized). A CUDA session ONNX Runtime silently built
         for the CPU (its CUDA provider library failed to load) would fail later, obscurely, on
         device pointers: refused here, by name. `optimized_model_path`: where ONNX Runtime writes
-        the graph it runs (debugging)."""
-        options = self.session_options()
+        the graph it runs (debugging); `priority_order`: see `session_options`."""
+        options = self.session_options(priority_order=priority_order)
         if optimized_model_path is not None:
             options.optimized_model_filepath = optimized_model_path
         if _runs_torch_nodes(model):  # the graph runs torch kernels (`_runtime.torch_ops`)
