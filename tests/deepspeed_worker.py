@@ -8,20 +8,16 @@ and ``FP16_Optimizer``). It saves each run's losses, gradient norms, weights and
 DeepSpeed methods FP16_Optimizer replaces (or the error the run raised) to ``<directory>/rank<r>.pt``.
 """
 import importlib
-import os
-import socket
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-from tests import models
+from tests import models, ortmodule_ddp_worker
 
 WORLD_SIZE, STEPS, GLOBAL_BATCH = 2, 6, 8
 NON_FINITE_STEP = 3  # the loss times inf: every gradient inf or NaN, the update skipped
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def config(stage, fp16):
@@ -37,24 +33,8 @@ def rank_batch(step, rank):
 
 def launch(directory, stage, timeout=300):
     """Runs the ranks; returns [(returncode, stderr)] per rank (returncode None: killed at `timeout`)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    processes = [subprocess.Popen(
-        [sys.executable, "-m", "tests.deepspeed_worker", str(directory), str(stage)], cwd=REPO_ROOT,
-        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), "LOCAL_RANK": str(rank),
-             "LOCAL_WORLD_SIZE": str(WORLD_SIZE), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-             "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in range(WORLD_SIZE)]
-    results = []
-    for process in processes:
-        try:
-            _, stderr = process.communicate(timeout=timeout)
-            results.append((process.returncode, stderr))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            results.append((None, process.communicate()[1]))
-    return results
+    return ortmodule_ddp_worker.launch(directory, timeout, worker=__name__, arguments=[stage],
+                                       environment={"LOCAL_WORLD_SIZE": str(WORLD_SIZE), "DS_ACCELERATOR": "cpu"})
 
 
 REPLACED = {  # the DeepSpeed methods FP16_Optimizer replaces, by (module, class)

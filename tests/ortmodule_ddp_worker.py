@@ -30,16 +30,16 @@ def rank_batch(step, rank):
     return tuple(t[rank * per_rank:(rank + 1) * per_rank] for t in models.mlp_batch(step, GLOBAL_BATCH))
 
 
-def launch(directory, timeout=120, worker=__name__):
-    """Runs the ranks of `python -m <worker> <directory>`; returns [(returncode, stderr)] per rank
-    (returncode None: killed at `timeout`)."""
+def launch(directory, timeout=120, worker=__name__, arguments=(), environment=None):
+    """Runs the ranks of `python -m <worker> <directory> <arguments...>` (`environment`: more
+    variables); returns [(returncode, stderr)] per rank (returncode None: killed at `timeout`)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     processes = [subprocess.Popen(
-        [sys.executable, "-m", worker, str(directory)], cwd=REPO_ROOT,
+        [sys.executable, "-m", worker, str(directory), *map(str, arguments)], cwd=REPO_ROOT,
         env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), "LOCAL_RANK": str(rank),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(environment or {})},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in range(WORLD_SIZE)]
     results = []
     for process in processes:
