@@ -38,7 +38,7 @@ def test_mixed_precision_benchmark_runs_on_the_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert [(r["model"], r["dtype"]) for r in result["results"]] == [("seed", "float32"), ("seed", "float16")]
     for row in result["results"]:
-        assert set(row["ms_per_step"]) == {"ort", "torch eager"}
+        assert set(row["ms_per_step"]) == {"ort", "ortmodule", "torch eager"}
         assert row["ort_vs_eager_worst_relative_loss_difference"] < 1e-3
 
 
