@@ -33,6 +33,7 @@ def gather_labelled_rows(model, fetched):
     graph = model.graph
     losses = [node.output[0] for node in graph.node if _is_candidate(node)]
     tensors = inferred_tensors(model) if losses else {}  # (it replaces the graph's nodes: find them after)
+    tensors.update({tensor.name: (tensor.data_type, tuple(tensor.dims)) for tensor in graph.initializer})
     rewritten = 0
     for name in losses:
         loss = next(node for node in graph.node if node.output[0] == name)
@@ -117,7 +118,7 @@ def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
     rows of both sides agree, wrote a broadcast reduction that fails at run time."""
     make, p = onnx.helper.make_node, f"{loss.output[0]}/label_sparsity/"
     labels, ignore_index = loss.input[1], node_attributes(loss)["ignore_index"]
-    hidden = projection.input[0]
+    hidden, classes = projection.input[0], _dims(tensors, loss.input[0])[1]
     nodes = [make("Cast", [labels], [p + "labels64"], to=onnx.TensorProto.INT64),
              int64_constant(p + "ignore_index", ignore_index),
              make("Equal", [p + "labels64", p + "ignore_index"], [p + "ignored"]),
@@ -153,7 +154,7 @@ def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
     for values in (graph.output, graph.value_info):  # shapes changed; not fetched
         for value in [value for value in values if value.name in changed]:
             values.remove(value)
-    kept_rows, classes = f"{p}rows", _dims(tensors, loss.input[0])[1]
+    kept_rows = f"{p}rows"
     declared = [(p + "rows", onnx.TensorProto.INT64, [kept_rows]),
                 (p + "labels", tensors[labels][0], [kept_rows]),
                 (p + "kept_hidden", tensors[projection.input[1]][0], [kept_rows, _dims(tensors, projection.input[1])[0]]),
