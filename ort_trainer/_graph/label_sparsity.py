@@ -19,7 +19,7 @@ _ROW_WISE = frozenset({"Cast", "Identity"})
 def gather_labelled_rows(model, fetched):
     """Rewrites each SoftmaxCrossEntropyLoss with an ignore_index (reduction 'mean' or 'sum', no class
     weights) of the exported forward `model` (in place) so that the projection (MatMul or Gemm, a
-    bias Add, Casts) feeding its scores computes only the rows whose label is not ignore_index:
+    bias Add of shape [classes], Casts) feeding its scores computes only the rows whose label is not ignore_index:
     `rows = NonZero(Not(Equal(labels, ignore_index)))`, the projection's input flattened to
     [rows, width] and gathered at `rows`, the labels gathered too. The loss is unchanged: ignored
     rows counted for nothing; with none kept it is NaN (mean) or 0 (sum) and every gradient zero,
@@ -74,20 +74,21 @@ def _projection_chain(graph, loss, tensors, fetched):
         node = producers[name]
         if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
             break
+        if node.op_type == "Reshape" and reshape is None and _flattens(node, tensors):
+            reshape, name = node, node.input[0]
+            continue
         if node.op_type in _ROW_WISE and node.domain in ("", "ai.onnx"):
             name = node.input[0]
-        elif node.op_type == "Reshape" and reshape is None and _flattens(node, tensors):
-            reshape, name = node, node.input[0]
-        elif node.op_type == "Add" and (name := _biased(node, weights, tensors, scores[1])) is not None:
-            pass
+        elif node.op_type == "Add" and _bias(node, weights, tensors, scores[1]) is not None:
+            name = next(other for other in node.input if other != _bias(node, weights, tensors, scores[1]))
         else:
             return None
-        if node is not reshape:
-            row_wise.insert(0, node)
+        row_wise.insert(0, node)
     rows, weight = _dims(tensors, node.input[0]), _dims(tensors, node.input[1])
     if rows is None or weight is None or len(weight) != 2 or len(rows) < 2:
         return None
-    if node.op_type == "Gemm" and (node_attributes(node).get("transA", 0) or len(rows) != 2):
+    if node.op_type == "Gemm" and (node_attributes(node).get("transA", 0) or len(rows) != 2 or (
+            len(node.input) > 2 and _bias(node, weights, tensors, scores[1]) != node.input[2])):
         return None
     if len(rows) > 2 and (reshape is None or not isinstance(rows[-1], int)):
         return None  # the scores are the projection's [N, classes] or its flattening to it
@@ -101,14 +102,10 @@ def _flattens(node, tensors):
             and after[1] is not None and after[1] == before[-1])
 
 
-def _biased(node, weights, tensors, classes):
-    """The Add's other input when one input is a per-class bias (a weight of shape [classes], or
-    with leading 1s); else None."""
-    for bias, other in (node.input, reversed(node.input)):
-        dims = _dims(tensors, bias)
-        if bias in weights and dims and dims[-1] == classes and all(d == 1 for d in dims[:-1]):
-            return other
-    return None
+def _bias(node, weights, tensors, classes):
+    """The input of `node` that is a per-class bias (a weight of shape [classes]: the same for every
+    row, whatever their number), or None."""
+    return next((name for name in node.input if name in weights and _dims(tensors, name) == (classes,)), None)
 
 
 def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
@@ -119,6 +116,7 @@ def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
     make, p = onnx.helper.make_node, f"{loss.output[0]}/label_sparsity/"
     labels, ignore_index = loss.input[1], node_attributes(loss)["ignore_index"]
     hidden, classes = projection.input[0], _dims(tensors, loss.input[0])[1]
+    hidden_type, hidden_dims = tensors[hidden]
     nodes = [make("Cast", [labels], [p + "labels64"], to=onnx.TensorProto.INT64),
              int64_constant(p + "ignore_index", ignore_index),
              make("Equal", [p + "labels64", p + "ignore_index"], [p + "ignored"]),
@@ -144,8 +142,9 @@ def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
     loss.input[1] = p + "labels"
     if reshape is not None:  # its reader reads its input
         for node in (*row_wise, loss):
-            node.input[0] = reshape.input[0] if node.input[0] == reshape.output[0] else node.input[0]
-            node.input[-1] = reshape.input[0] if node.input[-1] == reshape.output[0] else node.input[-1]
+            for i, name in enumerate(node.input):
+                if name == reshape.output[0]:
+                    node.input[i] = reshape.input[0]
     moved = {node.output[0] for node in (*chain, reshape) if node is not None}  # outputs name nodes
     changed = moved | {output for node in chain for output in node.output}
     kept = [node for node in graph.node if node.output[0] not in moved]
@@ -154,10 +153,10 @@ def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
     for values in (graph.output, graph.value_info):  # shapes changed; not fetched
         for value in [value for value in values if value.name in changed]:
             values.remove(value)
-    kept_rows = f"{p}rows"
-    declared = [(p + "rows", onnx.TensorProto.INT64, [kept_rows]),
+    kept_rows = p + "rows"  # the named dim
+    declared = [(kept_rows, onnx.TensorProto.INT64, [kept_rows]),
                 (p + "labels", tensors[labels][0], [kept_rows]),
-                (p + "kept_hidden", tensors[projection.input[1]][0], [kept_rows, _dims(tensors, projection.input[1])[0]]),
+                (p + "kept_hidden", hidden_type, [kept_rows, hidden_dims[-1]]),
                 *((node.output[0], tensors[node.output[0]][0], [kept_rows, classes]) for node in chain)]
     graph.value_info.extend(onnx.helper.make_tensor_value_info(name, elem_type, dims)
                             for name, elem_type, dims in declared)
