@@ -67,8 +67,15 @@ def _head_reads_gathered_rows(path):
     """Whether the saved graph's vocabulary projection reads the Gather of the kept rows."""
     graph = onnx.load(path).graph
     producers = {output: node for node in graph.node for output in node.output}
-    return any(node.op_type in ("MatMul", "Gemm", "FusedMatMul", "ATen") and name.endswith("label_sparsity/kept_hidden")
-               and producers[name].op_type == "Gather" for node in graph.node for name in node.input)
+
+    def source(name):  # through mixed precision's Casts
+        while name in producers and producers[name].op_type == "Cast":
+            name = producers[name].input[0]
+        return name
+
+    return any(node.op_type in ("MatMul", "Gemm", "FusedMatMul", "ATen")
+               and source(node.input[0]).endswith("label_sparsity/kept_hidden")
+               and producers[source(node.input[0])].op_type == "Gather" for node in graph.node)
 
 
 def _trainer(model, sparse, config, path, loss_fn=None, desc=DESC, grad_norm_clip=True):
@@ -149,6 +156,26 @@ def test_new_shapes_compile_new_rewritten_graphs_that_stay_exact(tmp_path):
     _assert_same(sparse, dense, rtol=1e-5, atol=1e-6)
     eager = models.torch_loop(model, tiny_loss, batches, OPTIMIZERS["adam"][1], max_norm=1.0)
     _assert_same(sparse, eager, rtol=1e-4, atol=1e-5, eager=True)
+
+
+def test_mixed_precision_and_accumulation_equal_the_dense_graph(tmp_path):
+    """fp16 products (emulated on the CPU: the rewrite comes before their casts) and accumulated
+    micro-batches."""
+    torch.manual_seed(0)
+    model, batches = TinyLM(), _batches(["half", "scattered", "all", "half"])
+    for options in ({"mixed_precision": {"enabled": True}}, {"batch": {"gradient_accumulation_steps": 2}}):
+        trained = []
+        for sparse in (True, False):
+            copied = copy.deepcopy(model)
+            path = tmp_path / f"{sparse}.onnx"
+            trainer = ORTTrainer(copied, DESC, optim.AdamConfig(lr=0.01), loss_fn=tiny_loss, options=ORTTrainerOptions({
+                **options, "graph_transformer": {"label_sparsity": sparse},
+                "debug": {"graph_save_paths": {"model_with_training_graph_path": str(path)}}}))
+            trainer.train_step_info.fetches = ["loss"]
+            losses = [trainer.train_step(*batch).item() for batch in batches]
+            trained.append((losses, {name: p.detach().clone() for name, p in copied.named_parameters()}))
+        assert _head_reads_gathered_rows(tmp_path / "True.onnx"), options
+        _assert_same(*trained, rtol=1e-5, atol=1e-6)
 
 
 def test_the_eval_graph_computes_the_same_loss(tmp_path):
