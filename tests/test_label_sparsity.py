@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from examples.wikitext2.train import make_loss_fn
-from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._graph.label_sparsity import gather_labelled_rows
+from ort_trainer.ortmodule import DebugOptions
 
 from . import models
 
@@ -291,3 +292,66 @@ def test_the_projection_reads_the_kept_rows_only():
     session = onnxruntime.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
     (ours,) = session.run(None, {"ids": ids.numpy(), "labels": labels.numpy()})
     assert ours == pytest.approx(tiny_loss(model(ids), labels).item(), rel=1e-6)
+
+
+class LossOnly(nn.Module):
+    """forward() returns the loss alone: ORTModule returns no logits, so it can leave rows out."""
+
+    def __init__(self, with_logits=False):
+        super().__init__()
+        self.model, self.with_logits = TinyLM(), with_logits
+
+    def forward(self, ids, labels):
+        logits = self.model(ids)
+        loss = tiny_loss(logits, labels)
+        return (loss, logits) if self.with_logits else loss
+
+
+def _ortmodule_steps(monkeypatch, tmp_path, module, batches):
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path))
+    wrapped = ORTModule(copy.deepcopy(module), DebugOptions(save_onnx=True, onnx_prefix="lm"))
+    sgd, losses = torch.optim.SGD(wrapped.parameters(), lr=0.5), []
+    for ids, labels in batches:
+        sgd.zero_grad()
+        output = wrapped(ids, labels)
+        loss = output[0] if isinstance(output, tuple) else output
+        loss.backward()
+        sgd.step()
+        losses.append(loss.item())
+    return losses, {name.removeprefix("_original_module."): p.detach().clone()
+                    for name, p in wrapped.named_parameters()}
+
+
+def _eager_steps(module, batches):
+    module, losses = copy.deepcopy(module), []
+    sgd = torch.optim.SGD(module.parameters(), lr=0.5)
+    for ids, labels in batches:
+        sgd.zero_grad()
+        output = module(ids, labels)
+        loss = output[0] if isinstance(output, tuple) else output
+        loss.backward()
+        sgd.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("environ, sparse", [({}, True), ({"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "0"}, False),
+                                             ({"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": "0"}, False)], ids=str)
+def test_ortmodule_of_a_loss_without_its_logits_trains_like_eager(monkeypatch, tmp_path, environ, sparse):
+    """ONNX Runtime's ORTModule switches: label sparsity on by default, off with either."""
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    torch.manual_seed(0)
+    module, batches = LossOnly(), _batches(["half", "all", "scattered", "none"])
+    ours = _ortmodule_steps(monkeypatch, tmp_path, module, batches)
+    assert _head_reads_gathered_rows(tmp_path / "lm_optimized_training.onnx") == sparse
+    _assert_same(ours, _eager_steps(module, batches), rtol=1e-5, atol=1e-6)
+
+
+def test_ortmodule_returning_the_logits_stays_dense(monkeypatch, tmp_path):
+    """The caller gets the logits of every position (a Hugging Face model's output holds them)."""
+    torch.manual_seed(0)
+    module, batches = LossOnly(with_logits=True), _batches(["half", "scattered"])
+    ours = _ortmodule_steps(monkeypatch, tmp_path, module, batches)
+    assert not _head_reads_gathered_rows(tmp_path / "lm_optimized_training.onnx")
+    _assert_same(ours, _eager_steps(module, batches), rtol=1e-5, atol=1e-6)
