@@ -1,8 +1,9 @@
 """Label sparsity (`_graph.label_sparsity`, `graph_transformer.label_sparsity`): a cross-entropy with
 an ignore_index computes the vocabulary projection and the loss on the kept rows only. Exactness is
 the proof: the losses and weights equal the dense graph's and eager PyTorch's, for every pattern of
-ignored labels (none kept: torch's NaN loss and zero gradients), new shapes, the seed model and
-GPT-2's own loss; each test also checks that the training graph was rewritten."""
+ignored labels (none kept: torch's NaN loss and zero gradients), new shapes, the seed model,
+GPT-2's own loss, ORTModule of a model returning the loss alone; each test also checks that the
+graph was rewritten (or, where it must stay dense, that it was not)."""
 import copy
 import io
 
@@ -159,6 +160,7 @@ def test_new_shapes_compile_new_rewritten_graphs_that_stay_exact(tmp_path):
     _assert_same(sparse, eager, rtol=1e-4, atol=1e-5, eager=True)
 
 
+@pytest.mark.filterwarnings("ignore:mixed_precision.dtype='float16' on device 'cpu'")
 def test_mixed_precision_and_accumulation_equal_the_dense_graph(tmp_path):
     """fp16 products (emulated on the CPU: the rewrite comes before their casts) and accumulated
     micro-batches."""
@@ -355,3 +357,50 @@ def test_ortmodule_returning_the_logits_stays_dense(monkeypatch, tmp_path):
     ours = _ortmodule_steps(monkeypatch, tmp_path, module, batches)
     assert not _head_reads_gathered_rows(tmp_path / "lm_optimized_training.onnx")
     _assert_same(ours, _eager_steps(module, batches), rtol=1e-5, atol=1e-6)
+
+
+def _hand_written(log_prob_output=False, bias_shape=(VOCAB,), reduction="mean"):
+    """hidden [N, WIDTH] @ weight + bias -> SoftmaxCrossEntropyLoss(ignore_index=-100)."""
+    make, value = onnx.helper.make_node, onnx.helper.make_tensor_value_info
+    loss_outputs = ["loss", "log_prob"] if log_prob_output else ["loss"]
+    graph = onnx.helper.make_graph(
+        [make("MatMul", ["hidden", "weight"], ["product"]), make("Add", ["product", "bias"], ["scores"]),
+         make("SoftmaxCrossEntropyLoss", ["scores", "labels"], loss_outputs, ignore_index=-100,
+              reduction=reduction)],
+        "hand_written",
+        [value("hidden", onnx.TensorProto.FLOAT, [6, WIDTH]), value("labels", onnx.TensorProto.INT64, [6]),
+         value("weight", onnx.TensorProto.FLOAT, [WIDTH, VOCAB]), value("bias", onnx.TensorProto.FLOAT, bias_shape)],
+        [value(name, onnx.TensorProto.FLOAT, None) for name in loss_outputs])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 14)], ir_version=7)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_what_is_left_dense(reduction):
+    """Rewritten: a [classes] bias, reduction mean or sum. Dense: the log-probabilities read (every row's),
+    a bias of another shape, no ignore_index, reduction 'none'."""
+    assert gather_labelled_rows(_hand_written(reduction=reduction), ["loss"]) == 1
+    assert gather_labelled_rows(_hand_written(log_prob_output=True, reduction=reduction), ["loss"]) == 0
+    assert gather_labelled_rows(_hand_written(bias_shape=(6, VOCAB), reduction=reduction), ["loss"]) == 0
+    model = _hand_written(reduction=reduction)
+    del model.graph.node[2].attribute[0]  # ignore_index
+    assert gather_labelled_rows(model, ["loss"]) == 0
+    assert gather_labelled_rows(_hand_written(reduction="none"), ["loss"]) == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_rewritten_loss_equals_the_dense_one_for_every_reduction(reduction):
+    generator = torch.Generator().manual_seed(3)
+    feeds = {"hidden": torch.randn(6, WIDTH, generator=generator).numpy(),
+             "labels": torch.tensor([-100, 3, -100, 7, 1, -100]).numpy(),
+             "weight": torch.randn(WIDTH, VOCAB, generator=generator).numpy(),
+             "bias": torch.randn(VOCAB, generator=generator).numpy()}
+    dense = _hand_written(reduction=reduction)
+    sparse = copy.deepcopy(dense)
+    assert gather_labelled_rows(sparse, ["loss"]) == 1
+    results = [onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+               .run(None, feeds)[0] for model in (sparse, dense)]
+    assert results[0] == pytest.approx(results[1], rel=1e-6)
+    feeds["labels"][:] = -100  # none kept: NaN (mean) or 0 (sum), as the dense loss
+    results = [onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+               .run(None, feeds)[0] for model in (sparse, dense)]
+    assert results[0] == pytest.approx(results[1], nan_ok=True)

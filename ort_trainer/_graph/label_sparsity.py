@@ -66,6 +66,9 @@ def _projection_chain(graph, loss, tensors, fetched):
     scores, labels = _dims(tensors, loss.input[0]), _dims(tensors, loss.input[1])
     if scores is None or len(scores) != 2 or labels is None or len(labels) != 1:
         return None
+    outputs = {output.name for output in graph.output}
+    if any(name in reads or name in outputs for name in loss.output[1:] if name):
+        return None  # the per-row log-probabilities are read: they keep every row
     weights = {tensor.name for tensor in (*graph.input, *graph.initializer)}
     row_wise, reshape, name = [], None, loss.input[0]
     while True:
@@ -146,7 +149,7 @@ def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
                 if name == reshape.output[0]:
                     node.input[i] = reshape.input[0]
     moved = {node.output[0] for node in (*chain, reshape) if node is not None}  # outputs name nodes
-    changed = moved | {output for node in chain for output in node.output}
+    changed = moved | {output for node in chain for output in node.output} | set(loss.output[1:])
     kept = [node for node in graph.node if node.output[0] not in moved]
     at = next(i for i, node in enumerate(kept) if node.output[0] == loss.output[0])
     set_nodes(graph, kept[:at] + nodes + chain + kept[at:])
