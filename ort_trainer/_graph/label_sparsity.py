@@ -18,12 +18,12 @@ _ROW_WISE = frozenset({"Cast", "Identity"})
 
 def gather_labelled_rows(model, fetched):
     """Rewrites each SoftmaxCrossEntropyLoss with an ignore_index (reduction 'mean' or 'sum', no class
-    weights) of the exported forward `model` (in place) so that the projection (MatMul or Gemm, a
-    bias Add of shape [classes], Casts) feeding its scores computes only the rows whose label is not ignore_index:
-    `rows = NonZero(Not(Equal(labels, ignore_index)))`, the projection's input flattened to
-    [rows, width] and gathered at `rows`, the labels gathered too. The loss is unchanged: ignored
-    rows counted for nothing; with none kept it is NaN (mean) or 0 (sum) and every gradient zero,
-    as torch's.
+    weights) of the exported forward `model` (in place) so that the projection feeding its scores
+    (MatMul or Gemm, a bias Add of shape [classes], Casts) computes only the rows whose label is not
+    ignore_index: `rows = NonZero(Not(Equal(labels, ignore_index)))` (none: row 0, whose label is
+    ignored), the projection's input flattened to [N, width] and gathered at `rows`, the labels
+    gathered too. The loss is unchanged: ignored rows counted for nothing; with none kept it is NaN
+    (mean) or 0 (sum) and every gradient zero, as torch's.
 
     Only where exact: the scores are the [N, classes] flattening of the projection's output, and no
     tensor on the way from the projection to the loss is in `fetched` (the outputs the caller gets)
