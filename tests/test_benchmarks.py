@@ -95,3 +95,16 @@ def test_low_precision_model_benchmark_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     assert set(json.loads(out.read_text())["median_ms"]) == {"eager fp32", "eager bfloat16", "ortmodule bfloat16",
                                                               "ortmodule fp32"}
+
+
+def test_label_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/label_sparsity.py", "--vocab", "40", "--width", "32", "--heads", "2",
+         "--batch", "2", "--seq", "8", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["median_ms_per_step"]) == {"dense", "sparse", "eager"}
+    assert result["dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5

@@ -569,6 +569,7 @@ def test_debug_options_refuse_bad_arguments(arguments, error, message):
     ("ORTMODULE_FALLBACK_POLICY", "FALLBACK_BAD_INITIALIZATION",
      r"FALLBACK_BAD_INITIALIZATION is not supported: creating an ORTModule does no work that could fail"),
     ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "yes", r"ORTMODULE_ENABLE_COMPUTE_OPTIMIZER='yes' must be 0 or 1"),
+    ("ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", "2", r"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER='2' must be 0 or 1"),
     ("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "0", r"ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT='0' is not supported by "
                                                  r"ort_trainer's ORTModule: torch.utils.checkpoint always runs inside "
                                                  r"the graph here, its segments recomputed in the backward \(unset it, "

@@ -50,7 +50,7 @@ DEFAULT_OPTIONS = {
     "mixed_precision": {"enabled": False, "dtype": "float16", "loss_scaler": None},
     "graph_transformer": {
         "attn_dropout_recompute": False, "gelu_recompute": False, "transformer_layer_recompute": False,
-        "number_recompute_layers": 0, "allow_layer_norm_mod_precision": False,
+        "number_recompute_layers": 0, "allow_layer_norm_mod_precision": False, "label_sparsity": True,
         "propagate_cast_ops_config": {"strategy": "INSERT_AND_REDUCE", "level": -1, "allow": []},
     },
     "utils": {
@@ -184,6 +184,7 @@ def test_options_objects_are_kept_as_given(path, value):
 @pytest.mark.parametrize("options, message", [
     ({"utils": {"grad_norm_clip": 1}}, "utils.grad_norm_clip: must be a bool, got 1 (int)"),
     ({"utils": {"max_cached_graphs": 0}}, "utils.max_cached_graphs: must be >= 1, got 0"),
+    ({"graph_transformer": {"label_sparsity": "no"}}, "graph_transformer.label_sparsity: must be a bool, got 'no' (str)"),
     ({"utils": {"max_cached_graphs": True}}, "utils.max_cached_graphs: must be an int, got True (bool)"),
     ({"utils": {"frozen_weights": "fc.weight"}}, "utils.frozen_weights: must be a list, got 'fc.weight' (str)"),
     ({"utils": {"frozen_weights": ["a", 3]}}, "utils.frozen_weights[1]: must be a str, got 3 (int)"),

@@ -1,5 +1,6 @@
 """ORTModule's compile stage: one input signature of the wrapped model, compiled. The model exported
-(every module in its own train/eval state), training-mode BatchNorms rewritten, the graph fixes,
+(every module in its own train/eval state), training-mode BatchNorms rewritten, label sparsity
+(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss but not its logits), the graph fixes,
 ONNX Runtime's ORTModule graph builder, the device's kernel substitutions, then a runner (a
 `TrainingAgent`, or an inference session for calls without gradients).
 
@@ -22,6 +23,7 @@ from .._graph.batch_norm import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.cpu_low_precision import low_precision_in_fp32
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
+from .._graph.label_sparsity import gather_labelled_rows
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
                                     outputs_reaching, outputs_read_by_backward)
 from .._graph.recompute import module_groups, recompute_in_backward
@@ -65,6 +67,8 @@ class ModuleGraph:
                      and parameters[by_graph_name[name]].requires_grad]
         weights_as_inputs(exported, weights)
         declare_torch_node_outputs(exported)
+        if settings.label_sparsity:  # where forward() returns the loss without the logits
+            gather_labelled_rows(exported, outputs)
         widened = device_type == "cpu" and low_precision_in_fp32(exported)
         inputs_requiring_grad = [i.name for i in exported.graph.input
                                  if needs_grad and i.name in values and values[i.name].requires_grad]

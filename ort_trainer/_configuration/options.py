@@ -86,8 +86,10 @@ class ORTTrainerOptions(_OptionGroup):
     - ``_internal_use.onnx_opset_version`` defaults to 14 and allows 14..17 (original: 12, 12..13).
     - Keys of later original versions: ``utils.memory_efficient_gradient`` (False, refused when set),
       ``graph_transformer.allow_layer_norm_mod_precision``, ``graph_transformer.propagate_cast_ops_config``.
-    - Ours: ``utils.max_cached_graphs`` (8: bound on the per-input-shape graph cache) and
-      ``debug.graph_save_paths.eval_model_path`` ('': the eval graph).
+    - Ours: ``utils.max_cached_graphs`` (8: bound on the per-input-shape graph cache),
+      ``debug.graph_save_paths.eval_model_path`` ('': the eval graph) and
+      ``graph_transformer.label_sparsity`` (True: a cross-entropy with an ignore_index computes the
+      vocabulary projection and the loss on the kept labels' rows, where the logits are not fetched).
     - ``provider_options`` names only the providers the trainer runs on (``CPUExecutionProvider``,
       which takes no options, and ``CUDAExecutionProvider`` on ``'cuda'``), and its options are
       merged into the trainer's; the original prepended unknown providers.

@@ -12,6 +12,7 @@ from .autocast import lower_precision
 from .cpu_kernels import kernel_substitutions
 from .fixes import (builder_fixes_after_optimization, disable_training_mode, padding_rows_without_gradient,
                     prepare_for_gradient, weights_as_inputs)
+from .label_sparsity import gather_labelled_rows
 from .missing_gradient import missing_gradient
 from .recompute import Recompute
 from .torch_node_shapes import declare_torch_node_outputs
@@ -102,7 +103,7 @@ def symbolic_shapes(model):
 
 def build_graphs(model, trainable, read_only, output_names, loss_name, *, device_type=None, loss_scaling=False,
                  compute_dtype=None, recompute=None, shape_inference=False, batch_statistics=None,
-                 faster_in_torch=None):
+                 faster_in_torch=None, label_sparsity=False):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is
@@ -119,12 +120,16 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     `symbolic_shapes` on the forward first. `batch_statistics`: a `_graph.batch_norm.BatchStatistics`,
     or None: its rewrite of the training-mode BatchNorms of the training graph, whose statistics
     outputs follow `output_names`. `faster_in_torch`: which fp32 products run in torch's kernels
-    (`_graph.cpu_products`; CPU graphs), or None.
+    (`_graph.cpu_products`; CPU graphs), or None. `label_sparsity`: both graphs compute the projection
+    and cross-entropy of a loss with an ignore_index on the kept rows only (`_graph.label_sparsity`),
+    where the logits are not fetched.
     """
     weights_as_inputs(model, [*trainable, *read_only])  # first: no copy below holds weights
     declare_torch_node_outputs(model)
     if shape_inference:
         model = symbolic_shapes(model)
+    if label_sparsity:
+        gather_labelled_rows(model, output_names)
     eval_model = copy.deepcopy(model)
     disable_training_mode(eval_model)
     padding_rows_without_gradient(eval_model, trainable=())

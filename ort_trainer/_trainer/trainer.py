@@ -106,7 +106,8 @@ class ORTTrainer:
         settings = StepSettings(recompute=recompute, shape_inference=options.utils.run_symbolic_shape_infer,
                                 graph_save_paths=options.debug.graph_save_paths,
                                 check_model_export=options.debug.check_model_export,
-                                loss_scaling=self._loss_scaler is not None, compute_dtype=precision.compute_dtype)
+                                loss_scaling=self._loss_scaler is not None, compute_dtype=precision.compute_dtype,
+                                label_sparsity=options.graph_transformer.label_sparsity)
         self._compiler = StepCompiler(model, loss_fn, self._binding, desc, exports=exports, state=self._state,
                                       sessions=self._sessions, settings=settings)
         self._sample_inputs = None  # the first compiled batch: the export sample of export_onnx/save_as_onnx

@@ -1,0 +1,165 @@
+"""Label sparsity (ORTTrainer's `graph_transformer.label_sparsity`): a cross-entropy loss with an
+ignore_index computes its last per-token work, the vocabulary projection and the loss, on the rows
+whose label counts only.
+
+Why: fine-tuning batches are padded, and instruction tuning masks the prompt's labels with -100;
+the projection to a vocabulary and the log-softmax over it are most of a small language model's
+step, and eager PyTorch computes them for every position. The exported forward is rewritten
+before ONNX Runtime's gradient builder, which then differentiates through the Gather (GatherGrad
+scatters the kept rows' gradients back, the others stay zero: what the dense graph computes).
+"""
+import onnx
+
+from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes
+
+# Ops between the projection and the loss that compute each row from that row alone.
+_ROW_WISE = frozenset({"Cast", "Identity"})
+
+
+def gather_labelled_rows(model, fetched):
+    """Rewrites each SoftmaxCrossEntropyLoss with an ignore_index (reduction 'mean' or 'sum', no class
+    weights) of the exported forward `model` (in place) so that the projection feeding its scores
+    (MatMul or Gemm, a bias Add of shape [classes], Casts) computes only the rows whose label is not
+    ignore_index: `rows = NonZero(Not(Equal(labels, ignore_index)))` (none: row 0, whose label is
+    ignored), the projection's input flattened to [N, width] and gathered at `rows`, the labels
+    gathered too. The loss is unchanged: ignored rows counted for nothing; with none kept it is NaN
+    (mean) or 0 (sum) and every gradient zero, as torch's.
+
+    Only where exact: the scores are the [N, classes] flattening of the projection's output, and no
+    tensor on the way from the projection to the loss is in `fetched` (the outputs the caller gets)
+    or read by another node. Those tensors stop being graph outputs. Returns the number of losses
+    rewritten.
+    """
+    graph = model.graph
+    losses = [node.output[0] for node in graph.node if _is_candidate(node)]
+    tensors = inferred_tensors(model) if losses else {}  # (it replaces the graph's nodes: find them after)
+    tensors.update({tensor.name: (tensor.data_type, tuple(tensor.dims)) for tensor in graph.initializer})
+    rewritten = 0
+    for name in losses:
+        loss = next(node for node in graph.node if node.output[0] == name)
+        chain = _projection_chain(graph, loss, tensors, set(fetched))
+        if chain is not None:
+            _rewrite(graph, loss, *chain, tensors)
+            rewritten += 1
+    return rewritten
+
+
+def _is_candidate(node):
+    attributes = node_attributes(node)
+    return (node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx") and len(node.input) == 2
+            and "ignore_index" in attributes and attributes.get("reduction", b"mean") in (b"mean", b"sum"))
+
+
+def _dims(tensors, name):
+    return (tensors.get(name) or (None, None))[1]
+
+
+def _projection_chain(graph, loss, tensors, fetched):
+    """(projection node, the row-wise nodes after it in order, the flattening Reshape or None, the
+    width to flatten the projection's input to, None when it is [N, width] already); None where the
+    rewrite would not be exact."""
+    producers = {output: node for node in graph.node for output in node.output}
+    reads = {}
+    for node in graph.node:
+        for name in node.input:
+            reads[name] = reads.get(name, 0) + 1
+    scores, labels = _dims(tensors, loss.input[0]), _dims(tensors, loss.input[1])
+    if scores is None or len(scores) != 2 or labels is None or len(labels) != 1:
+        return None
+    outputs = {output.name for output in graph.output}
+    if any(name in reads or name in outputs for name in loss.output[1:] if name):
+        return None  # the per-row log-probabilities are read: they keep every row
+    weights = {tensor.name for tensor in (*graph.input, *graph.initializer)}
+    row_wise, reshape, name = [], None, loss.input[0]
+    while True:
+        if name in fetched or reads.get(name) != 1 or name not in producers:
+            return None
+        node = producers[name]
+        if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
+            break
+        if node.op_type == "Reshape" and reshape is None and _flattens(node, tensors):
+            reshape, name = node, node.input[0]
+            continue
+        if node.op_type in _ROW_WISE and node.domain in ("", "ai.onnx"):
+            name = node.input[0]
+        elif node.op_type == "Add" and _bias(node, weights, tensors, scores[1]) is not None:
+            name = next(other for other in node.input if other != _bias(node, weights, tensors, scores[1]))
+        else:
+            return None
+        row_wise.insert(0, node)
+    rows, weight = _dims(tensors, node.input[0]), _dims(tensors, node.input[1])
+    if rows is None or weight is None or len(weight) != 2 or len(rows) < 2:
+        return None
+    if node.op_type == "Gemm" and (node_attributes(node).get("transA", 0) or len(rows) != 2 or (
+            len(node.input) > 2 and _bias(node, weights, tensors, scores[1]) != node.input[2])):
+        return None
+    if len(rows) > 2 and (reshape is None or not isinstance(rows[-1], int)):
+        return None  # the scores are the projection's [N, classes] or its flattening to it
+    return node, row_wise, reshape, rows[-1] if len(rows) > 2 else None
+
+
+def _flattens(node, tensors):
+    """A Reshape from [..., classes] to [N, classes]: rows stay rows, in order."""
+    before, after = _dims(tensors, node.input[0]), _dims(tensors, node.output[0])
+    return (before is not None and after is not None and len(before) >= 2 and len(after) == 2
+            and after[1] is not None and after[1] == before[-1])
+
+
+def _bias(node, weights, tensors, classes):
+    """The input of `node` that is a per-class bias (a weight of shape [classes]: the same for every
+    row, whatever their number), or None."""
+    return next((name for name in node.input if name in weights and _dims(tensors, name) == (classes,)), None)
+
+
+def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
+    """Moves the projection and its row-wise nodes right before the loss (everything they read is
+    computed by then), on the gathered rows; the Reshape goes (the rows are flat already). The new
+    shapes are declared with the kept rows as one named dim: ORT's MatMul gradient, not knowing the
+    rows of both sides agree, wrote a broadcast reduction that fails at run time."""
+    make, p = onnx.helper.make_node, f"{loss.output[0]}/label_sparsity/"
+    labels, ignore_index = loss.input[1], node_attributes(loss)["ignore_index"]
+    hidden, classes = projection.input[0], _dims(tensors, loss.input[0])[1]
+    hidden_type, hidden_dims = tensors[hidden]
+    nodes = [make("Cast", [labels], [p + "labels64"], to=onnx.TensorProto.INT64),
+             int64_constant(p + "ignore_index", ignore_index),
+             make("Equal", [p + "labels64", p + "ignore_index"], [p + "ignored"]),
+             make("Not", [p + "ignored"], [p + "kept"]),
+             make("NonZero", [p + "kept"], [p + "kept_nonzero"]),
+             int64_constant(p + "flat", [-1]),
+             make("Reshape", [p + "kept_nonzero", p + "flat"], [p + "kept_rows"]),
+             # no row kept: row 0 (ignored: the loss counts it for nothing): ORT's kernels refuse empty products
+             int64_constant(p + "first", [0]),
+             make("Concat", [p + "kept_rows", p + "first"], [p + "kept_then_first"], axis=0),
+             make("Shape", [p + "kept_rows"], [p + "kept_count"]),
+             int64_constant(p + "one", [1]),
+             make("Max", [p + "kept_count", p + "one"], [p + "count"]),
+             make("Slice", [p + "kept_then_first", p + "first", p + "count"], [p + "rows"]),
+             make("Gather", [labels, p + "rows"], [p + "labels"], axis=0)]
+    if width is not None:
+        nodes += [int64_constant(p + "rows_by_width", [-1, width]),
+                  make("Reshape", [hidden, p + "rows_by_width"], [p + "hidden"])]
+        hidden = p + "hidden"
+    nodes.append(make("Gather", [hidden, p + "rows"], [p + "kept_hidden"], axis=0))
+    projection.input[0] = p + "kept_hidden"
+    chain = [projection, *row_wise]
+    loss.input[1] = p + "labels"
+    if reshape is not None:  # its reader reads its input
+        for node in (*row_wise, loss):
+            for i, name in enumerate(node.input):
+                if name == reshape.output[0]:
+                    node.input[i] = reshape.input[0]
+    moved = {node.output[0] for node in (*chain, reshape) if node is not None}  # outputs name nodes
+    changed = moved | {output for node in chain for output in node.output} | set(loss.output[1:])
+    kept = [node for node in graph.node if node.output[0] not in moved]
+    at = next(i for i, node in enumerate(kept) if node.output[0] == loss.output[0])
+    set_nodes(graph, kept[:at] + nodes + chain + kept[at:])
+    for values in (graph.output, graph.value_info):  # shapes changed; not fetched
+        for value in [value for value in values if value.name in changed]:
+            values.remove(value)
+    kept_rows = p + "rows"  # the named dim
+    declared = [(kept_rows, onnx.TensorProto.INT64, [kept_rows]),
+                (p + "labels", tensors[labels][0], [kept_rows]),
+                (p + "kept_hidden", hidden_type, [kept_rows, hidden_dims[-1]]),
+                *((node.output[0], tensors[node.output[0]][0], [kept_rows, classes]) for node in chain)]
+    graph.value_info.extend(onnx.helper.make_tensor_value_info(name, elem_type, dims)
+                            for name, elem_type, dims in declared)
