@@ -57,7 +57,8 @@ def test_cpu_products_benchmark_runs():
     done = subprocess.run([sys.executable, "benchmarks/cpu_products.py", "--threads", "1", "--repeats", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    header, *rows = done.stdout.strip().splitlines()
+    # DeepSpeed, where installed, logs a line of its own when ONNX Runtime's training package imports it
+    header, *rows = [line for line in done.stdout.strip().splitlines() if "[real_accelerator.py" not in line]
     assert set(json.loads(header)) == {"cpu", "flags", "threads", "torch", "onnxruntime"}
     assert len(rows) == 6 and all("MLAS fp32" in row and "torch bf16" in row for row in rows)
 
