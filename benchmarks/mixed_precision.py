@@ -51,7 +51,7 @@ class Workload:
         else:
             import transformers
 
-            config = transformers.GPT2Config(n_layer=args.gpt2_layers, n_embd=args.gpt2_width, n_head=12,
+            config = transformers.GPT2Config(n_layer=args.gpt2_layers, n_embd=args.gpt2_width, n_head=args.gpt2_heads,
                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
             self.model = transformers.GPT2LMHeadModel(config)
             ids = torch.randint(0, config.vocab_size, (args.steps, args.gpt2_batch, args.gpt2_block),
@@ -162,6 +162,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=20)
     p.add_argument("--gpt2-layers", type=int, default=12)
     p.add_argument("--gpt2-width", type=int, default=768)
+    p.add_argument("--gpt2-heads", type=int, default=12)
     p.add_argument("--gpt2-batch", type=int, default=8)
     p.add_argument("--gpt2-block", type=int, default=512)
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")

@@ -11,6 +11,7 @@ over all the rows, as torch's linear computes it.
 import torch
 
 from .._onnx import in_operand_order
+from .cpu_buffers import converted, empty
 
 _BF16 = torch.bfloat16
 
@@ -36,7 +37,7 @@ def product(inputs, params):
     result = _bf16_product(operands, params)
     if params.get("output_bf16"):
         return [result]
-    result = result.float()
+    result = converted(result, torch.float32)
     scaled = params["kind"] != "convolution" and len(operands) == 2 and params["alpha"] != 1.0
     return [result * params["alpha"] if scaled else result]
 
@@ -49,13 +50,22 @@ def _bf16_product(operands, params):
         return torch.ops.aten.convolution(operands[0], operands[1], bias, *convolution_args(operands[1], params))
     a, b = _transposed(operands[0], params["trans_a"]), _transposed(operands[1], params["trans_b"])
     if params["kind"] == "gemm" and len(operands) > 2:
-        return torch.addmm(operands[2], a, b, beta=params["beta"], alpha=params["alpha"])
+        return torch.addmm(operands[2], a, b, beta=params["beta"], alpha=params["alpha"],
+                           **_into((a.shape[0], b.shape[1]), operands))
     if len(operands) > 2:  # a MatMul and the bias Add after it (alpha 1): as torch's linear adds it
         if b.dim() == 2 and a.dim() >= 2:
-            rows = torch.addmm(operands[2], a.reshape(-1, a.shape[-1]), b)
+            rows = a.reshape(-1, a.shape[-1])
+            rows = torch.addmm(operands[2], rows, b, **_into((rows.shape[0], b.shape[1]), operands))
             return rows.reshape(*a.shape[:-1], b.shape[-1])
         return torch.matmul(a, b) + operands[2]
     return torch.matmul(a, b)
+
+
+def _into(shape, operands):
+    """`out=` a pooled bf16 buffer (`cpu_buffers`), unless autograd records the product (tests)."""
+    if torch.is_grad_enabled() and any(operand.requires_grad for operand in operands):
+        return {}
+    return {"out": empty(shape, _BF16)}
 
 
 def product_gradients(inputs, params):
@@ -75,8 +85,8 @@ def product_gradients(inputs, params):
         return [found[k].float() for k in wanted]
     in_bf16 = params["kind"] == "gemm" and len(shapes) > 2  # addmm scales in bf16, matmul's alpha is fp32
     alpha = params["alpha"] if in_bf16 else 1.0
-    grad = grad.to(_BF16) if in_bf16 or params["alpha"] == 1.0 else (grad.float() * params["alpha"]).to(_BF16)
-    return [_operand_gradient(grad, factors, shapes, k, params, alpha).float() for k in wanted]
+    grad = converted(grad if in_bf16 or params["alpha"] == 1.0 else grad.float() * params["alpha"], _BF16)
+    return [converted(_operand_gradient(grad, factors, shapes, k, params, alpha), torch.float32) for k in wanted]
 
 
 def _operand_gradient(grad, factors, shapes, operand, params, alpha):
