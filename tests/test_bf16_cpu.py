@@ -309,6 +309,30 @@ def _graph(nodes, inputs, outputs):
         opset_imports=[onnx.helper.make_opsetid("", 17)])
 
 
+def test_casts_between_fp32_and_bf16_run_in_torch_and_compute_the_same():
+    """ONNX Runtime's CPU Cast to and from bf16 is a scalar loop: those Casts become torch nodes
+    (`bf16_casts_in_torch`); other Casts stay ONNX Runtime's. The graph's result is the same."""
+    from ort_trainer._configuration.runtime_settings import RuntimeSettings
+    from ort_trainer._graph.torch_products import bf16_casts_in_torch
+    from ort_trainer._runtime.placement import Placement
+    from ort_trainer._runtime.sessions import Sessions  # registers the torch node executor
+
+    make = onnx.helper.make_node
+    model = _graph([make("Cast", ["x"], ["low"], to=onnx.TensorProto.BFLOAT16),
+                    make("Cast", ["low"], ["y"], to=onnx.TensorProto.FLOAT),
+                    make("Cast", ["x"], ["n"], to=onnx.TensorProto.INT64),
+                    make("Cast", ["n"], ["z"], to=onnx.TensorProto.FLOAT)], [("x", [300, 5000])], ["y", "z"])
+    assert bf16_casts_in_torch(model) == 2
+    assert [node.op_type for node in model.graph.node] == ["ATen", "ATen", "Cast", "Cast"]
+    model.ir_version = 8  # ONNX Runtime 1.19 reads up to 10
+    sessions = Sessions(Placement("cpu"), RuntimeSettings(device="cpu", threads=1))
+    session = sessions.create(model.SerializeToString())
+    x = torch.randn(300, 5000) * 100
+    y, z = session.run(None, {"x": x.numpy()})
+    assert torch.equal(torch.from_numpy(y), x.bfloat16().float())
+    assert torch.equal(torch.from_numpy(z), x.long().float())
+
+
 def test_the_rewrite_reads_transposed_weights_in_place_and_emulates_what_torch_cannot_state():
     """A weight's Transpose folds into the torch node (dropped when nothing else reads it, kept
     when something does); the operand that needs a gradient is listed first, the factors' bf16

@@ -10,7 +10,8 @@ from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_params_of
 
 EINSUM = TORCH_OP_PREFIX + "einsum"  # `_graph.torch_nodes`
-TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.torch_products`: a factor's bf16 copy
+TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.torch_products`: a factor's bf16 copy, a bf16 Cast
+TO_FP32 = TORCH_OP_PREFIX + "to_fp32"  # `_graph.torch_products`: a Cast from bf16
 # `_graph.torch_products.bf16_logits_into_loss`: bf16 logits into the loss, its gradient back in bf16
 LOG_SOFTMAX_FP32 = TORCH_OP_PREFIX + "log_softmax_fp32"
 MUL_TO_BF16 = TORCH_OP_PREFIX + "mul_to_bf16"
@@ -117,7 +118,8 @@ _SHAPE_CHANGING = {
 
 #: forward operator -> output shape(input shapes, params)
 _SHAPES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shape, FUNCTION: _function_shape,
-           DETACH: lambda shapes, params: list(shapes[0]), TO_BF16: lambda shapes, params: list(shapes[0])}
+           DETACH: lambda shapes, params: list(shapes[0]), TO_BF16: lambda shapes, params: list(shapes[0]),
+           TO_FP32: lambda shapes, params: list(shapes[0])}
 
 
 def declare_torch_node_outputs(model):

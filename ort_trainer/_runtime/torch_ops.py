@@ -27,7 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
 from .._graph.cpu_products import MATRIX_PRODUCT
-from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16
+from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, TO_FP32
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD,
                                   DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD,
                                   RESIZE_GRAD, TO_BF16)
@@ -310,6 +310,7 @@ IMPLEMENTATIONS = {
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
     PRODUCT: product, PRODUCT_GRAD: product_gradients, MATRIX_PRODUCT: matrix_product,
     TO_BF16: lambda inputs, params: [converted(inputs[0], torch.bfloat16)],
+    TO_FP32: lambda inputs, params: [converted(inputs[0], torch.float32)],
     LOG_SOFTMAX_FP32: _log_softmax_fp32,
     MUL_TO_BF16: _mul_to_bf16,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
