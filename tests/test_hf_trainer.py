@@ -218,17 +218,17 @@ def test_example_hf_trainer_engines_agree_and_write_outputs_that_reload(text, tm
         torch.testing.assert_close(plain.state_dict()[name], tensor, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("flag", ["--lora", "--gradient-checkpointing"])
+@pytest.mark.parametrize("flags", [["--lora"], ["--gradient-checkpointing"], ["--lora", "--gradient-checkpointing"]])
 def test_example_hf_trainer_with_lora_or_checkpointing_trains_in_step_with_the_plain_model(text, tmp_path, monkeypatch,
-                                                                                           flag):
-    """`--lora` (PEFT adapters) and `--gradient-checkpointing` (Trainer's reentrant default): the
-    ORTModule run in step with the same Trainer run on the plain model, in ONNX Runtime (fallback
-    disabled); with --lora, model/ holds the adapter."""
-    common = ["--train-file", str(text), "--max-steps", "4", "--warmup-steps", "1", flag] + TINY
+                                                                                           flags):
+    """`--lora` (PEFT adapters) and `--gradient-checkpointing` (Trainer's reentrant default), alone
+    and together: the ORTModule run in step with the same Trainer run on the plain model, in ONNX
+    Runtime (fallback disabled); with --lora, model/ holds the adapter."""
+    common = ["--train-file", str(text), "--max-steps", "4", "--warmup-steps", "1", *flags] + TINY
     reference = main(common + ["--engine", "hf-trainer-torch"])
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
     ours = main(common + ["--engine", "hf-trainer", "--output-dir", str(tmp_path)])
     assert ours["updates"] == reference["updates"] == 4
     assert ours["update_losses"] == pytest.approx(reference["update_losses"], abs=1.01e-4)
     assert ours["eval"]["loss"] == pytest.approx(reference["eval"]["loss"], rel=1e-5)
-    assert (tmp_path / "model" / "adapter_config.json").is_file() == (flag == "--lora")
+    assert (tmp_path / "model" / "adapter_config.json").is_file() == ("--lora" in flags)

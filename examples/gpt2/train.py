@@ -185,6 +185,8 @@ class HFTrainerEngine:
     def __init__(self, model, args, total_updates):
         if args.lora:
             model = with_lora_adapters(model)
+            if args.gradient_checkpointing:  # reentrant checkpointing needs inputs that require grad (PEFT's advice)
+                model.enable_input_require_grads()
         self.args, self.plain, self.trainer = args, model, None
         self.wrapped = model
         if self.ort:
