@@ -19,6 +19,7 @@ from .._configuration.ortmodule_settings import LogLevel
 from .._export.outputs import output_names
 from .._export.trace import export_training_model, graph_name
 from .._graph.autocast import cast_outputs, lower_precision
+from .._graph.input_density import density_inputs
 from .._graph.batch_norm import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.cpu_low_precision import low_precision_in_fp32
@@ -58,6 +59,7 @@ class ModuleGraph:
         with torch.autocast(device_type, enabled=False):  # the graph's own casts follow (`_graph.autocast`)
             exported = export_training_model(model, None, binding, outputs, values, settings.opset)
         _save(settings, exported, "torch_exported", training=needs_grad)
+        self.density_inputs = density_inputs(exported)  # before the fixes drop the padding marker
         self.batch_statistics = BatchStatistics(model)  # training-mode BatchNorms: batch statistics as outputs
         self.batch_statistics.rewrite(exported)
         by_graph_name = {graph_name(name): name for name, _ in (*model.named_parameters(), *model.named_buffers())}

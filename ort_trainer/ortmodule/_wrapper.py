@@ -26,11 +26,12 @@ from .._export.probe import custom_functions, custom_functions_refused, layerdro
 from .._graph.autocast import slower_than_fp32, unsupported
 from .._runtime.placement import Placement
 from .._runtime.sessions import Sessions
+from ._density import DensityReport
 from ._graph_function import _GraphFunction
 
 MAX_CACHED_GRAPHS = 8  # as ORTTrainer's utils.max_cached_graphs default
 _SHARED_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
-_OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state",
+_OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state", "_density",
                   "forward",  # a forward set on the wrapper (accelerate's autocast) is the wrapper's
                   "__class__"))  # so is a class swapped in (FSDP2's fully_shard)
 _PYTORCH = "run the PyTorch model"  # a signature whose graph could not be compiled (fallback)
@@ -91,6 +92,7 @@ class ORTModule(torch.nn.Module):
         self._graphs = GraphCache(MAX_CACHED_GRAPHS)
         self._sessions = {}  # torch device -> the Sessions of its Placement
         self._state = ModuleState(module)
+        self._density = DensityReport()  # ORTMODULE_PRINT_INPUT_DENSITY=1
         self.training = module.training
 
     @property
@@ -183,6 +185,8 @@ class ORTModule(torch.nn.Module):
             self._graphs.put(key, graph)
         if graph is _PYTORCH:
             return model(*args, **kwargs)
+        if self._settings.input_density:
+            self._density.record(graph, values)
         feeds = graph.feeds(values, named)
         outputs = _GraphFunction.apply(graph, *feeds) if graph.trains else graph.infer(feeds)
         graph.batch_statistics.update(outputs)  # training-mode BatchNorms: their running statistics, as torch
