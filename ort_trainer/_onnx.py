@@ -2,6 +2,7 @@
 inputs or renamed, shape inference, which tensors a graph computes from which, the quiet
 SessionOptions ONNX Runtime's graph tools and our sessions start from, and torch nodes."""
 import json
+import math
 
 import numpy as np
 import onnx
@@ -223,3 +224,15 @@ def in_operand_order(inputs, params):
     for position, operand in enumerate(params["operands"]):
         ordered[operand] = inputs[position]
     return ordered
+
+
+def largest_tensors(model, count):
+    """The `count` largest tensors of `model` whose shape ONNX's inference knows: [(bytes, name,
+    dims, element type name)], largest first (what a graph's memory goes to)."""
+    found = []
+    for name, (element_type, dims) in inferred_tensors(model).items():
+        if element_type and dims is not None and all(isinstance(dim, int) for dim in dims):
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(element_type).itemsize
+            found.append((math.prod(dims) * itemsize, name, list(dims),
+                          onnx.TensorProto.DataType.Name(element_type).lower()))
+    return sorted(found, reverse=True)[:count]

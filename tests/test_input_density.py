@@ -1,6 +1,7 @@
 """ORTMODULE_PRINT_INPUT_DENSITY=1: ORTModule logs, per call input that is a loss's labels with an
 ignore_index or an embedding's indices with a padding_idx, how many positions hold data, on a
-signature's first call and every INTERVAL calls after."""
+signature's first call and every INTERVAL calls after. ORTMODULE_PRINT_MEMORY_STATS=1: each graph's
+largest tensors and its first forward's and backward's peak memory."""
 import logging
 import re
 
@@ -71,3 +72,23 @@ def test_a_bad_value_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("ORTMODULE_PRINT_INPUT_DENSITY", "yes")
     with pytest.raises(ValueError, match=re.escape("ORTMODULE_PRINT_INPUT_DENSITY='yes' must be 0 or 1")):
         ORTModule(nn.Linear(4, 2))
+
+
+def test_memory_stats_log_each_graphs_largest_tensors_and_first_peaks(monkeypatch, caplog):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    monkeypatch.setenv("ORTMODULE_PRINT_MEMORY_STATS", "1")
+    model = ORTModule(nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8)))
+    x = torch.randn(256, 64)
+    with caplog.at_level(logging.INFO, logger="ort_trainer.ortmodule"):
+        for _ in range(2):
+            model(x).sum().backward()
+        with torch.no_grad():
+            model(x)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ORTModule memory")]
+    assert len(lines) == 3  # training: first forward, first backward; inference: first forward
+    forward, backward, inference = lines
+    assert re.fullmatch(r"ORTModule memory, the training graph of Sequential: its first forward's peak [+-]\d+\.\d MiB; "
+                        r"its largest tensors: .+ \[256, 512\] float 0\.5 MiB, .+", forward), forward
+    assert re.fullmatch(r"ORTModule memory, the training graph of Sequential: its first backward's peak [+-]\d+\.\d "
+                        r"MiB", backward), backward
+    assert inference.startswith("ORTModule memory, the inference graph of Sequential: its first forward's peak ")

@@ -7,6 +7,7 @@ ONNX Runtime's ORTModule graph builder, the device's kernel substitutions, then 
 Parameters and buffers are graph inputs read from the model's own tensors on every call (DLPack,
 no copy); gradients come back as new tensors, for autograd to accumulate into `.grad`.
 """
+import contextlib
 import enum
 import logging
 import os
@@ -30,9 +31,12 @@ from .._graph.module_graphs import (build_module_graph, describe_outputs, forwar
 from .._graph.recompute import module_groups, recompute_in_backward
 from .._graph.torch_node_shapes import declare_torch_node_outputs
 from .._graph.training_graphs import draws_random_numbers
+from .._onnx import largest_tensors
+from .._runtime.memory_stats import peak_above_start
 from .._runtime.module_runner import ModuleRunner
 
 LOGGER = logging.getLogger("ort_trainer.ortmodule")
+_LARGEST = 5  # tensors named by the memory stats
 
 
 class Source(enum.Enum):
@@ -110,6 +114,9 @@ class ModuleGraph:
             self.read_by_backward = outputs_read_by_backward(model_proto, outputs)
             forward_outputs_as_graph_outputs(model_proto, outputs + self.batch_statistics.outputs)
         _save(settings, model_proto, "optimized", training=needs_grad)
+        # ORTMODULE_PRINT_MEMORY_STATS=1: the largest tensors, the first forward's and backward's peaks
+        self._memory_stats = largest_tensors(model_proto, _LARGEST) if settings.memory_stats else None
+        self._measured, self._model_name = set(), type(model).__name__
         inputs = [i.name for i in model_proto.graph.input]
         self._runner = ModuleRunner(
             sessions, model_proto.SerializeToString(), inputs, graph_outputs,
@@ -144,18 +151,39 @@ class ModuleGraph:
 
     def infer(self, feeds):
         """The forward alone (no gradient): the outputs as tensors."""
-        return self._runner.infer(feeds)
+        with self._memory_measured("forward"):
+            return self._runner.infer(feeds)
 
     def run_forward(self, feeds):
         """(outputs, state): the forward of a training call; `state` keeps what its backward reads."""
-        return self._runner.run_forward(feeds)
+        with self._memory_measured("forward"):
+            return self._runner.run_forward(feeds)
+
+    @contextlib.contextmanager
+    def _memory_measured(self, phase):
+        """ORTMODULE_PRINT_MEMORY_STATS=1: the first run of `phase` ('forward', 'backward') of this
+        graph measured (the process's peak resident memory above its start) and logged, the
+        forward's line with the graph's largest tensors."""
+        if self._memory_stats is None or phase in self._measured:
+            yield
+            return
+        self._measured.add(phase)
+        with peak_above_start() as peak:
+            yield
+        measured = "not measured here (no /proc)" if peak["mib"] is None else f"{peak['mib']:+.1f} MiB"
+        message = f"ORTModule memory, the {self.kind} graph of {self._model_name}: its first {phase}'s peak {measured}"
+        if phase == "forward":
+            message += "; its largest tensors: " + ", ".join(
+                f"{name} {dims} {kind} {size / 2 ** 20:.1f} MiB" for size, name, dims, kind in self._memory_stats)
+        LOGGER.handle(LOGGER.makeRecord(LOGGER.name, logging.INFO, __file__, 0, message, (), None))
 
     def run_backward(self, state, output_grads, used):
         """The gradients of the forward's inputs that require one, in feed order, from the gradients
         of its outputs (`output_grads`: tensors, in output order; `used`: the indices of the outputs
         that received a gradient, the others' are zeros). None for the others, and for those no
         output in `used` depends on: torch leaves them without a gradient, ONNX Runtime gives zeros."""
-        grads = self._runner.run_backward(state, output_grads)
+        with self._memory_measured("backward"):
+            grads = self._runner.run_backward(state, output_grads)
         return [None if slot is None or not self._reaching[slot] & used else grads[slot]
                 for slot in self.gradient_slots]
 

@@ -8,7 +8,8 @@ ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER, ORTMODULE_ENABLE_L
 without its logits), ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT (1: a model computed through custom
 autograd.Functions is refused, so it runs in PyTorch), ORTMODULE_MEMORY_OPT_LEVEL (0, or 1: the
 model's layers recomputed in the backward, `_graph.recompute.module_groups`; 2 refused),
-ORTMODULE_PRINT_INPUT_DENSITY (1: `ortmodule._density`'s report). The others
+ORTMODULE_PRINT_INPUT_DENSITY (1: `ortmodule._density`'s report), ORTMODULE_PRINT_MEMORY_STATS (1: each
+graph's largest tensors and first forward's and backward's peak memory, logged). The others
 of the original are accepted at the value that matches what this ORTModule does and refused, by
 name, at any value that asks for a feature it lacks (`_REFUSED`); other `ORTMODULE_*` variables get
 a warning that they are not read.
@@ -32,11 +33,11 @@ _REFUSED = {
                                           "all implemented (embedding padding removal is not; label padding removal "
                                           "is ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER, on by default)"),
     "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": ("0", "the embedding-sparsity optimization is not implemented"),
-    "ORTMODULE_PRINT_MEMORY_STATS": ("0", "the memory inspector is not implemented"),
 }
 _READ = {"ORTMODULE_ONNX_OPSET_VERSION", "ORTMODULE_FALLBACK_POLICY", "ORTMODULE_LOG_LEVEL",
          "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER",
          "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_PRINT_INPUT_DENSITY",
+         "ORTMODULE_PRINT_MEMORY_STATS",
          *_REFUSED}
 
 
@@ -112,6 +113,7 @@ class Settings:
     onnx_prefix: str
     layer_recompute: bool  # ORTMODULE_MEMORY_OPT_LEVEL=1
     input_density: bool  # ORTMODULE_PRINT_INPUT_DENSITY=1: `ortmodule._density`
+    memory_stats: bool  # ORTMODULE_PRINT_MEMORY_STATS=1: `_compile.module_graph`
 
     @property
     def ort_severity(self):
@@ -155,7 +157,8 @@ def settings(debug_options, environ=os.environ):
                     custom_functions=not _flag(environ, "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", default="0"),
                     save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix,
                     layer_recompute=_memory_opt_level(environ) == 1,
-                    input_density=_flag(environ, "ORTMODULE_PRINT_INPUT_DENSITY", default="0"))
+                    input_density=_flag(environ, "ORTMODULE_PRINT_INPUT_DENSITY", default="0"),
+                    memory_stats=_flag(environ, "ORTMODULE_PRINT_MEMORY_STATS", default="0"))
 
 
 def _log_level(environ, default):
