@@ -19,6 +19,7 @@ _PER_SHAPE = 4  # buffers kept per (shape, type): more at once are allocated as 
 _SHAPES = 16  # (shape, type) kinds kept, least recently used dropped
 _pools = collections.OrderedDict()  # (shape, dtype) -> [tensor]
 _lock = threading.Lock()  # runs of other threads' sessions take buffers too
+_COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")  # a torch without it: no pool (fresh memory each time)
 
 
 def _held_elsewhere(buffer):
@@ -31,7 +32,7 @@ def empty(shape, dtype):
     """A CPU tensor of `shape` and `dtype` with unspecified values: a large one from the pool
     when one is free, else new (and pooled while there is room)."""
     shape = tuple(shape)
-    if math.prod(shape) * dtype.itemsize < _MIN_BYTES:
+    if math.prod(shape) * dtype.itemsize < _MIN_BYTES or not _COUNTS_USES:
         return torch.empty(shape, dtype=dtype)
     key = (shape, dtype)
     with _lock:
