@@ -279,6 +279,37 @@ def test_ortmodule_under_bf16_autocast_trains_in_step_with_torch(bf16_cpu, monke
         assert abs(ours - theirs) <= LOSS_RTOL * abs(theirs), (case, step, ours, theirs)
 
 
+def test_the_zero_gradient_of_an_unused_output_is_made_once_and_stays_zero(bf16_cpu, monkeypatch):
+    """GPT-2's logits, returned but not in the loss: under bf16 autocast ONNX Runtime needs their
+    gradient in full shape; the zeros are made once per graph and read by every backward, which
+    never writes them: the steps stay in step with eager autocast."""
+    import transformers
+
+    from ort_trainer.ortmodule import ORTModule
+
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    eager, wrapped = copy.deepcopy(model), ORTModule(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (wrapped, eager)]
+    for step in range(4):
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for module, optimizer in zip((wrapped, eager), optimizers):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = module(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=LOSS_RTOL), step
+    graph, = (graph for graph in wrapped._graphs._graphs.values())
+    zeros = list(graph._zero_gradients.values())
+    assert [tuple(z.shape) for z in zeros] == [(2, 16, 64)] and all(bool((z == 0).all()) for z in zeros)
+
+
 def test_bf16_on_a_cpu_without_bf16_instructions_is_refused_by_name(monkeypatch):
     from ort_trainer.ortmodule import ORTModule
 

@@ -117,6 +117,7 @@ class ModuleGraph:
         # ORTMODULE_PRINT_MEMORY_STATS=1: the largest tensors, the first forward's and backward's peaks
         self._memory_stats = largest_tensors(model_proto, _LARGEST) if settings.memory_stats else None
         self._measured, self._model_name = set(), type(model).__name__
+        self._zero_gradients = {}  # (output, shape, dtype, device) -> zeros (`zero_gradient`)
         inputs = [i.name for i in model_proto.graph.input]
         self._runner = ModuleRunner(
             sessions, model_proto.SerializeToString(), inputs, graph_outputs,
@@ -153,6 +154,16 @@ class ModuleGraph:
         """The forward alone (no gradient): the outputs as tensors."""
         with self._memory_measured("forward"):
             return self._runner.infer(feeds)
+
+    def zero_gradient(self, index, shape, dtype, device):
+        """The gradient of output `index` when the loss did not use it: zeros of its shape where
+        ONNX Runtime needs the full shape, else a scalar zero; made once and read by every backward
+        (ONNX Runtime does not write its inputs): a language model's unused logits no longer cost a
+        logits-sized allocation and fill every step."""
+        key = (index, tuple(shape) if index in self.full_shape_grads else (), dtype, device)
+        if key not in self._zero_gradients:
+            self._zero_gradients[key] = torch.zeros(key[1], dtype=dtype, device=device)
+        return self._zero_gradients[key]
 
     def run_forward(self, feeds):
         """(outputs, state): the forward of a training call; `state` keeps what its backward reads."""

@@ -47,8 +47,8 @@ class _GraphFunction(torch.autograd.Function):
         for index, (grad, (shape, dtype, device)) in enumerate(zip(output_grads, ctx.outputs)):
             if index in graph.non_differentiable:
                 continue
-            if grad is None:  # an output the loss does not use: zeros (a scalar where ONNX Runtime adds it)
-                grad = torch.zeros(shape if index in graph.full_shape_grads else (), dtype=dtype, device=device)
+            if grad is None:  # an output the loss does not use
+                grad = graph.zero_gradient(index, shape, dtype, device)
             grads.append(grad)
         state, ctx.state = ctx.state, None  # the forward's activations go as soon as the backward is done
         used = {index for index, grad in enumerate(output_grads) if grad is not None}
