@@ -7,15 +7,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_train_step_benchmark_runs_and_writes_every_measure(tmp_path):
+def _run(script, *arguments, tmp_path):
+    """Runs `benchmarks/<script>` with `arguments` and --json; returns (its result, the run)."""
     out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/train_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
-         "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", "--fetch", "loss",
-         "--measure-memory", "--memory-steps", "3", "--memory-repeats", "2", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", *arguments, "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), done
+
+
+def test_train_step_benchmark_runs_and_writes_every_measure(tmp_path):
+    result, done = _run("train_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
+        "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", "--fetch", "loss",
+        "--measure-memory", "--memory-steps", "3", "--memory-repeats", "2", tmp_path=tmp_path)
     for phase in ("train", "eval"):
         assert set(result[phase]["median_ms"]) == {"torch", "ort"}
     for engine in ("torch", "ort"):
@@ -28,14 +32,9 @@ def test_train_step_benchmark_runs_and_writes_every_measure(tmp_path):
 
 
 def test_mixed_precision_benchmark_runs_on_the_cpu(tmp_path):
-    out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/mixed_precision.py", "--device", "cpu", "--models", "seed", "--dtypes",
-         "float32", "float16", "--rounds", "1", "--steps", "2", "--warmup", "2", "--vocab", "40", "--bptt", "5",
-         "--batch", "3", "--no-compile", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
+    result, _ = _run("mixed_precision.py", "--device", "cpu", "--models", "seed", "--dtypes",
+        "float32", "float16", "--rounds", "1", "--steps", "2", "--warmup", "2", "--vocab", "40", "--bptt", "5",
+        "--batch", "3", "--no-compile", tmp_path=tmp_path)
     assert [(r["model"], r["dtype"]) for r in result["results"]] == [("seed", "float32"), ("seed", "float16")]
     for row in result["results"]:
         assert set(row["ms_per_step"]) == {"ort", "ortmodule", "torch eager"}
@@ -43,14 +42,10 @@ def test_mixed_precision_benchmark_runs_on_the_cpu(tmp_path):
 
 
 def test_train_step_benchmark_takes_mixed_precision(tmp_path):
-    out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/train_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
-         "--threads", "1", "--warmup", "1", "--rounds", "1", "--steps", "1", "--no-eval", "--mixed-precision",
-         "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(out.read_text())["config"]["mixed_precision"] == "float16"
+    result, _ = _run("train_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
+        "--threads", "1", "--warmup", "1", "--rounds", "1", "--steps", "1", "--no-eval", "--mixed-precision",
+        tmp_path=tmp_path)
+    assert result["config"]["mixed_precision"] == "float16"
 
 
 def test_cpu_products_benchmark_runs():
@@ -64,48 +59,36 @@ def test_cpu_products_benchmark_runs():
 
 
 def test_ortmodule_benchmark_compares_the_products_in_torch_with_onnx_runtimes(tmp_path):
-    out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/ortmodule_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
-         "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", "--compare-products", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
+    result, _ = _run("ortmodule_step.py", "--vocab", "40", "--bptt", "5", "--batch", "3",
+        "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", "--compare-products", tmp_path=tmp_path)
     assert set(result["median_ms"]) == {"eager", "ortmodule", "ortmodule_loss", "ortrainer", "ortmodule_ort_products",
                                         "ortrainer_ort_products"}
     assert result["torch_products"] == {}  # products this small are not measured
 
 
 def test_recurrent_benchmark_runs(tmp_path):
-    out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/recurrent_step.py", "--vocab", "30", "--width", "8", "--hidden", "6",
-         "--batch", "3", "--seq", "5", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
-         "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert set(json.loads(out.read_text())["median_ms"]) == {"eager", "ortmodule", "ortrainer"}
+    result, _ = _run("recurrent_step.py", "--vocab", "30", "--width", "8", "--hidden", "6",
+        "--batch", "3", "--seq", "5", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
+        tmp_path=tmp_path)
+    assert set(result["median_ms"]) == {"eager", "ortmodule", "ortrainer"}
 
 
 def test_low_precision_model_benchmark_runs(tmp_path):
-    out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/low_precision_model.py", "--layers", "1", "--width", "16", "--heads", "2",
-         "--vocab", "40", "--batch", "2", "--block", "8", "--threads", "1", "--rounds", "1", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert set(json.loads(out.read_text())["median_ms"]) == {"eager fp32", "eager bfloat16", "ortmodule bfloat16",
+    result, _ = _run("low_precision_model.py", "--layers", "1", "--width", "16", "--heads", "2",
+        "--vocab", "40", "--batch", "2", "--block", "8", "--threads", "1", "--rounds", "1", tmp_path=tmp_path)
+    assert set(result["median_ms"]) == {"eager fp32", "eager bfloat16", "ortmodule bfloat16",
                                                               "ortmodule fp32"}
 
 
 def test_label_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path):
-    out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/label_sparsity.py", "--vocab", "40", "--width", "32", "--heads", "2",
-         "--batch", "2", "--seq", "8", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
-         "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
+    result, _ = _run("label_sparsity.py", "--vocab", "40", "--width", "32", "--heads", "2",
+        "--batch", "2", "--seq", "8", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
+        tmp_path=tmp_path)
     assert set(result["median_ms_per_step"]) == {"dense", "sparse", "eager"}
     assert result["dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5
+
+
+def test_bf16_overhead_benchmark_runs(tmp_path):
+    result, _ = _run("bf16_overhead.py", "--vocab", "40", "--rounds", "1", "--steps", "1", tmp_path=tmp_path)
+    assert result["bare_products_ms"] > 0 and result["bf16_nodes_ms"] > 0
+    assert {"bf16_product_ms", "bf16_product_grad_ms", "to_bf16_ms"} <= set(result)
