@@ -78,6 +78,13 @@ def float_constant(name, value):
         np.array(value, np.float32), name))
 
 
+def torch_node_operator(node):
+    """The torch implementation a torch node (`torch_node`) runs; "" for another node."""
+    if node.domain != TORCH_NODE_DOMAIN:
+        return ""
+    return node_attributes(node).get("operator", b"").decode()
+
+
 def torch_node_params_of(node):
     """The params of a torch node (`torch_node`); {} for another node."""
     if node.domain != TORCH_NODE_DOMAIN:

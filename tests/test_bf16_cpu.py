@@ -461,3 +461,20 @@ def test_a_bias_add_folds_into_its_product_only_where_the_bias_is_computed_befor
     for node in model.graph.node:  # topologically sorted
         assert produced.issuperset(name for name in node.input if name), node
         produced.update(node.output)
+
+
+@pytest.mark.parametrize("alpha, rewritten", [(1.0, 1), (0.5, 0)])
+def test_logits_stay_bf16_into_the_loss_only_where_the_product_does_not_scale_them_in_fp32(alpha, rewritten):
+    """A product scaling its bf16 result by alpha in fp32 (a MatMul's alpha: ONNX Runtime fuses a
+    scale into it) keeps its fp32 output: bf16 out, the scale would be lost."""
+    from ort_trainer._graph.torch_nodes import PRODUCT
+    from ort_trainer._graph.torch_products import bf16_logits_into_loss
+    from ort_trainer._onnx import TORCH_NODE_DOMAIN, torch_node
+
+    params = {"kind": "matmul", "alpha": alpha, "trans_a": False, "trans_b": False, "operands": [0, 1]}
+    make = onnx.helper.make_node
+    model = _graph([torch_node(PRODUCT, ["x", "w", "x_bf16", "w_bf16"], ["logits"], params=params),
+                    make("LogSoftmax", ["logits"], ["log_prob"], axis=1)], [("x", [4, 3]), ("w", [3, 5])],
+                   ["log_prob"])
+    model.opset_import.append(onnx.helper.make_opsetid(TORCH_NODE_DOMAIN, 1))
+    assert bf16_logits_into_loss(model) == rewritten

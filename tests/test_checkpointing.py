@@ -90,17 +90,22 @@ def _kept_for_backward(graph):
             if name in producers and name not in backward}
 
 
-@pytest.mark.parametrize("form", ["reentrant", "non_reentrant", "sequential"])
-def test_checkpointed_blocks_train_like_eager_and_are_recomputed_in_the_backward(form, tmp_path, monkeypatch):
+def _blocks_like_eager(form, tmp_path, monkeypatch):
+    """Blocks(form) trained by ORTModule and eagerly, losses equal; returns what ORTModule's backward
+    keeps from its forward (`_kept_for_backward`)."""
     torch.manual_seed(0)
     model = Blocks(form)
     eager = copy.deepcopy(model)
     batches = _batches()
     graph = _saved_graph(tmp_path, monkeypatch)
     ours = _losses(ORTModule(model, debug_options=_debug), lambda m, step: m(batches[step]))
-    expected = _losses(eager, lambda m, step: m(batches[step]))
-    assert ours == pytest.approx(expected, rel=1e-5)
-    kept = {name: node for name, node in _kept_for_backward(graph()).items()
+    assert ours == pytest.approx(_losses(eager, lambda m, step: m(batches[step])), rel=1e-5)
+    return _kept_for_backward(graph())
+
+
+@pytest.mark.parametrize("form", ["reentrant", "non_reentrant", "sequential"])
+def test_checkpointed_blocks_train_like_eager_and_are_recomputed_in_the_backward(form, tmp_path, monkeypatch):
+    kept = {name: node for name, node in _blocks_like_eager(form, tmp_path, monkeypatch).items()
             if "_checkpoint_" in name and node.op_type != "Constant"}
     assert kept  # the segments' outputs
     for name, node in kept.items():  # no activation inside a segment: its outputs and dropout masks only
@@ -110,14 +115,7 @@ def test_checkpointed_blocks_train_like_eager_and_are_recomputed_in_the_backward
 
 def test_memory_opt_level_1_recomputes_every_layer_but_the_last_and_trains_like_eager(tmp_path, monkeypatch):
     monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
-    torch.manual_seed(0)
-    model = Blocks(None)
-    eager = copy.deepcopy(model)
-    batches = _batches()
-    graph = _saved_graph(tmp_path, monkeypatch)
-    ours = _losses(ORTModule(model, debug_options=_debug), lambda m, step: m(batches[step]))
-    assert ours == pytest.approx(_losses(eager, lambda m, step: m(batches[step])), rel=1e-5)
-    kept = _kept_for_backward(graph())
+    kept = _blocks_like_eager(None, tmp_path, monkeypatch)
     for layer in range(3):  # the layers' outputs and dropout masks only
         inside = {name: node for name, node in kept.items() if f"/blocks.{layer}/" in name}
         assert all(node.op_type == "Add" or node.op_type == "Dropout" and name == node.output[1]

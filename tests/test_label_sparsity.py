@@ -312,20 +312,13 @@ class LossOnly(nn.Module):
 def _ortmodule_steps(monkeypatch, tmp_path, module, batches):
     monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path))
     wrapped = ORTModule(copy.deepcopy(module), DebugOptions(save_onnx=True, onnx_prefix="lm"))
-    sgd, losses = torch.optim.SGD(wrapped.parameters(), lr=0.5), []
-    for ids, labels in batches:
-        sgd.zero_grad()
-        output = wrapped(ids, labels)
-        loss = output[0] if isinstance(output, tuple) else output
-        loss.backward()
-        sgd.step()
-        losses.append(loss.item())
-    return losses, {name.removeprefix("_original_module."): p.detach().clone()
-                    for name, p in wrapped.named_parameters()}
+    losses, weights = _eager_steps(wrapped, batches, copied=False)
+    return losses, {name.removeprefix("_original_module."): weight for name, weight in weights.items()}
 
 
-def _eager_steps(module, batches):
-    module, losses = copy.deepcopy(module), []
+def _eager_steps(module, batches, *, copied=True):
+    """SGD steps of `module` (a copy of it where `copied`): (losses, {name: weight after})."""
+    module, losses = copy.deepcopy(module) if copied else module, []
     sgd = torch.optim.SGD(module.parameters(), lr=0.5)
     for ids, labels in batches:
         sgd.zero_grad()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.onnx._internal.torchscript_exporter import _type_utils
+from torch.utils._pytree import tree_leaves
 
 from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
 
@@ -62,16 +63,6 @@ def function_call(number):
     return call
 
 
-def _holds_tensor(value):
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensor(item) for item in value)
-    if isinstance(value, dict):
-        return any(_holds_tensor(item) for item in value.values())
-    return False
-
-
 def _input_dim(size, input_shapes, position):
     """[input, dim] of the traced input dim of `size` (the same position first), else `size`."""
     candidates = [(k, j) for k, shape in enumerate(input_shapes) for j, dim in enumerate(shape or ()) if dim == size]
@@ -87,7 +78,7 @@ def python_op(g, *args, **attributes):
     node = g.original_node
     function = node.pyobj().__self__
     call = FunctionCall(function, node.cconv(), tuple(node.scalar_args()))
-    if any(_holds_tensor(value) for value in call.constants):
+    if any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(call.constants)):
         raise AutogradFunctionRefused(
             f"custom autograd.Function {call.name} gets a tensor inside a list, tuple or dict argument: a graph "
             "would keep that tensor's values of this call as a constant. Pass each tensor as an argument of "

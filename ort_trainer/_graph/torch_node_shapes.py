@@ -7,7 +7,7 @@ import onnx
 from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX, WITH_INDICES
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_params_of
+from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_operator, torch_node_params_of
 
 EINSUM = TORCH_OP_PREFIX + "einsum"  # `_graph.torch_nodes`
 TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.torch_products`: a factor's bf16 copy, a bf16 Cast
@@ -166,7 +166,7 @@ def _declare_autograd_function_outputs(model, nodes):
     types; their traced shapes where the inputs have the traced shapes, else each dim as the input
     dim of its traced size (a graph re-derived at other shapes is proven against torch); the
     context number: int64, 0-d."""
-    calls = [node for node in nodes if node_attributes(node)["operator"].decode() == AUTOGRAD_FUNCTION]
+    calls = [node for node in nodes if torch_node_operator(node) == AUTOGRAD_FUNCTION]
     if not calls:
         return
     tensors = inferred_tensors(model)

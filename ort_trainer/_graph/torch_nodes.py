@@ -21,7 +21,8 @@ from onnxruntime.capi import _pybind_state as C
 from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import node_attributes, onnx_opset, set_nodes, torch_node, torch_node_params, torch_node_params_of
+from .._onnx import (node_attributes, onnx_opset, set_nodes, torch_node, torch_node_operator, torch_node_params,
+                     torch_node_params_of)
 from .torch_node_shapes import EINSUM, TO_BF16, declare_torch_node_outputs
 
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
@@ -119,7 +120,7 @@ def gradients_through_torch(model, trainable):
         if reached.intersection(node.input) and node.domain in ("", "ai.onnx"):
             replacement = (_einsum_node(node, reached) if node.op_type == "Einsum"
                            else _function_node(node, _as_torch_function(node, opset, reached), reached))
-        elif node.domain == DOMAIN and node_attributes(node)["operator"].decode() == AUTOGRAD_FUNCTION:
+        elif torch_node_operator(node) == AUTOGRAD_FUNCTION:
             replacement = _autograd_function_node(node, reached)
         elif reached.intersection(node.input) and node.domain == DOMAIN:
             replacement = _reordered_function(node, reached)
@@ -245,7 +246,7 @@ def finish_torch_node_gradients(model):
     gradient node lists those (`params['absent']`), which its backward does not get (as in eager)."""
     zeros = _missing_output_gradients_as_zeros(model)
     for node in model.graph.node:
-        operator = node_attributes(node).get("operator", b"").decode() if node.domain == DOMAIN else ""
+        operator = torch_node_operator(node)
         if operator in GRADIENT_OPERATORS:
             params = torch_node_params_of(node)
             params["wanted"] = [k for k, name in enumerate(node.output) if name]

@@ -19,10 +19,10 @@ import math
 
 import onnx
 
-from .._onnx import inferred_tensors, node_attributes, set_nodes, torch_node, torch_node_params_of
+from .._onnx import inferred_tensors, node_attributes, set_nodes, torch_node, torch_node_operator, torch_node_params_of
 from .torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, TO_FP32, set_value_info
-from .torch_nodes import (PRODUCT, PRODUCT_GRAD, TO_BF16, needing_gradient, reached_first, register_torch_node_gradients,
-                          replace_nodes)
+from .torch_nodes import (PRODUCT, PRODUCT_GRAD, TO_BF16, needing_gradient, reached_first,
+                          register_torch_node_gradients, replace_nodes)
 
 
 def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):
@@ -135,6 +135,12 @@ def _convolution_params(op_type, attributes):
             "output_padding": list(attributes.get("output_padding", [])), "groups": int(attributes.get("group", 1))}
 
 
+def scaled_in_fp32(params):
+    """Whether a product node (`params`) scales its bf16 result by alpha in fp32: a MatMul's or a
+    Gemm's without a third operand (addmm scales in bf16 with one)."""
+    return params["kind"] != "convolution" and len(params["operands"]) == 2 and params["alpha"] != 1.0
+
+
 def bf16_logits_into_loss(model):
     """In a built graph for the CPU (in place): a bf16 product whose result only a (reshaped)
     LogSoftmax reads (the vocabulary projection before the cross-entropy, `_graph.cpu_kernels`)
@@ -142,7 +148,8 @@ def bf16_logits_into_loss(model):
     sees, without an fp32 copy of the logits); in a training graph, the loss gradient's last Mul
     writes bf16 (`MUL_TO_BF16`), which the product's gradient reads as it is. Same values as the
     fp32 logits and gradient, two conversions of logits-sized tensors fewer. A training graph whose
-    loss gradient is not that Mul keeps fp32. Returns the number of products rewritten."""
+    loss gradient is not that Mul keeps fp32, and so does a product that scales its result in fp32
+    (`scaled_in_fp32`). Returns the number of products rewritten."""
     graph = model.graph
     producers = {name: node for node in graph.node for name in node.output}
     readers = {}
@@ -155,7 +162,7 @@ def bf16_logits_into_loss(model):
         found = readers.get(name, [])
         return found[0] if len(found) == 1 and name not in outputs else None
 
-    training = any(_operator(node) == PRODUCT_GRAD for node in graph.node)
+    training = any(torch_node_operator(node) == PRODUCT_GRAD for node in graph.node)
     replaced, bf16_values, log_probs, rewritten = {}, [], [], 0
     for log_softmax in graph.node:
         if log_softmax.op_type != "LogSoftmax" or log_softmax.domain not in ("", "ai.onnx"):
@@ -166,8 +173,8 @@ def bf16_logits_into_loss(model):
             reshapes.append(logits)
             logits = producers[logits].input[0]
         product = producers.get(logits)
-        if product is None or _operator(product) != PRODUCT or only_reader(logits) is None \
-                or only_reader(log_softmax.input[0]) is None:
+        if product is None or torch_node_operator(product) != PRODUCT or only_reader(logits) is None \
+                or only_reader(log_softmax.input[0]) is None or scaled_in_fp32(torch_node_params_of(product)):
             continue
         gradient = _loss_gradient_into(product, log_softmax.input[0], producers, only_reader) if training else []
         if training and not gradient:
@@ -195,10 +202,6 @@ def bf16_logits_into_loss(model):
     return rewritten
 
 
-def _operator(node):
-    return node_attributes(node).get("operator", b"").decode() if node.op_type == "ATen" else ""
-
-
 def _loss_gradient_into(product, loss_input, producers, only_reader):
     """(the Mul that ends the rewritten loss's gradient of `loss_input`, the gradient values from
     it to the product's gradient node) where that gradient reaches `product`'s gradient node only
@@ -211,7 +214,7 @@ def _loss_gradient_into(product, loss_input, producers, only_reader):
         reader = only_reader(value)
         if reader is None:
             return None
-        if _operator(reader) == PRODUCT_GRAD and list(reader.input[:1]) == [value] \
+        if torch_node_operator(reader) == PRODUCT_GRAD and list(reader.input[:1]) == [value] \
                 and torch_node_params_of(reader).get("kind") == torch_node_params_of(product).get("kind") \
                 and reader.input[1:3] == product.input[len(torch_node_params_of(product)["operands"]):]:
             return mul, grads
@@ -234,19 +237,20 @@ def bf16_casts_in_torch(model):
     if not any(node.op_type == "Cast" and node_attributes(node).get("to") in _CASTS for node in model.graph.node):
         return 0
     tensors = inferred_tensors(model)  # first: it sets the graph's nodes anew
-    casts = [node for node in model.graph.node if node.op_type == "Cast" and node.domain in ("", "ai.onnx")
-             and node_attributes(node).get("to") in _CASTS]
-    replaced = {}
-    for node in casts:
-        target = node_attributes(node)["to"]
-        source, operator = _CASTS[target]
-        element_type, dims = tensors.get(node.input[0], (0, None))
+    nodes, replaced = [], []
+    for node in model.graph.node:
+        target = node_attributes(node).get("to") if node.op_type == "Cast" and node.domain in ("", "ai.onnx") else None
+        source, operator = _CASTS.get(target, (None, None))
+        element_type, dims = tensors.get(node.input[0], (0, None)) if node.input else (0, None)
         large = dims is not None and all(isinstance(dim, int) for dim in dims) and math.prod(dims) >= _LARGE_CAST
-        if element_type == source and large:
-            replaced[id(node)] = (torch_node(operator, [node.input[0]], [node.output[0]], name=node.name,
-                                             params={"output_type": target}), target, dims)
+        if operator is None or element_type != source or not large:
+            nodes.append(node)
+            continue
+        nodes.append(torch_node(operator, [node.input[0]], [node.output[0]], name=node.name,
+                                params={"output_type": target}))
+        replaced.append((node.output[0], target, dims))
     if replaced:
-        set_nodes(model.graph, [replaced[id(node)][0] if id(node) in replaced else node for node in model.graph.node])
-        for node, target, dims in replaced.values():
-            set_value_info(model, node.output[0], target, dims)
+        set_nodes(model.graph, nodes)
+        for name, target, dims in replaced:
+            set_value_info(model, name, target, dims)
     return len(replaced)

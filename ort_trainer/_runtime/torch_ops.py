@@ -28,9 +28,9 @@ from onnxruntime.capi import _pybind_state as C
 from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
 from .._graph.cpu_products import MATRIX_PRODUCT
 from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, TO_FP32
-from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD,
-                                  DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT, PRODUCT_GRAD,
-                                  RESIZE_GRAD, TO_BF16)
+from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD,
+                                  CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT,
+                                  PRODUCT_GRAD, RESIZE_GRAD, TO_BF16)
 from .._onnx import in_operand_order
 from .cpu_buffers import converted, empty
 from .torch_products import convolution_args, matrix_product, product, product_gradients
@@ -53,15 +53,16 @@ _capsule_rename = ctypes.pythonapi.PyCapsule_SetName
 _capsule_rename.restype, _capsule_rename.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
 
 _lock = threading.Lock()  # registration
-# (operator, exception) recorded by failed calls, per thread: ONNX Runtime runs a sequential graph's
-# nodes on the thread that called run, so each run finds its own errors.
+# (operator, exception) recorded by failed calls, and the Function contexts kept, per thread: ONNX
+# Runtime runs a sequential graph's nodes on the thread that called run, so each run finds its own.
 _recorded = threading.local()
 
 
-def _errors():
-    if not hasattr(_recorded, "errors"):
-        _recorded.errors = []
-    return _recorded.errors
+def _thread_list(name):
+    """This thread's list `name` (the errors or the Function contexts its runs recorded)."""
+    if not hasattr(_recorded, name):
+        setattr(_recorded, name, [])
+    return getattr(_recorded, name)
 _registered = []  # the callbacks, kept alive for the life of the process
 
 
@@ -226,7 +227,7 @@ def _autograd_function(inputs, params):
     if needs:
         number = next(_context_numbers)
         _contexts[number] = (outputs, operands, differentiable, gradients)  # gradients: filled by the backward
-        _created().append(number)
+        _thread_list("contexts").append(number)
     handed = [t.detach().clone() if t.untyped_storage().data_ptr() in kept else t.detach() for t in outputs]
     return [*handed, torch.tensor(number, dtype=torch.int64)]
 
@@ -252,12 +253,6 @@ def _autograd_function_grad(inputs, params):
         torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
     found = {k: grad for k, grad in zip(differentiable, gradients) if grad is not None}
     return [found[k] if k in found else torch.zeros_like(operands[k]) for k in params["wanted"]]
-
-
-def _created():
-    if not hasattr(_recorded, "contexts"):
-        _recorded.contexts = []
-    return _recorded.contexts
 
 
 class FunctionContexts:
@@ -340,7 +335,7 @@ def _execute(operator, overload, count_in, inputs, count_out, outputs):
         storages = {t.untyped_storage().data_ptr() for t in tensors}
         results = [r.clone() if r.untyped_storage().data_ptr() in storages else r.contiguous() for r in results]
     except Exception as error:  # noqa: BLE001 - nothing may cross into C; the run raises it
-        _errors().append((name, error))
+        _thread_list("errors").append((name, error))
         results = [_POISON.clone() for _ in range(count_out)]
     del tensors  # the inputs' deleters run now: nothing of ONNX Runtime's memory is kept
     for k, result in enumerate(results):
@@ -361,7 +356,7 @@ def register_executor():
 
 def take_errors():
     """The errors this thread's runs recorded since the last call, oldest first."""
-    errors = _errors()
+    errors = _thread_list("errors")
     taken = list(errors)
     errors.clear()
     return taken
@@ -374,7 +369,7 @@ def raising_torch_op_errors():
     Yields the run's `FunctionContexts` (filled when the run ends): keep it while a later run
     (ORTModule's backward) may read them."""
     take_errors()
-    contexts, created = FunctionContexts(), _created()
+    contexts, created = FunctionContexts(), _thread_list("contexts")
     start = len(created)
     try:
         yield contexts

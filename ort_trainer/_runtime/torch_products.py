@@ -3,13 +3,14 @@
 and of the fp32 products moved to torch where its kernel is faster (`matrix_product`).
 
 One gradient node computes every wanted operand's gradient from the output gradient, cast to
-bf16 once, and the bf16 factors the forward made (no operand converted again, no forward
-recomputed): each gradient costs one product, as in torch's backward. Batched operands that
+bf16 once, and the factors' bf16 copies the forward read (`TO_BF16` nodes': no operand converted
+again, no forward recomputed): each gradient costs one product, as in torch's backward. Batched operands that
 broadcast are summed back to their shape; a weight multiplied by a batch of rows gets one product
 over all the rows, as torch's linear computes it.
 """
 import torch
 
+from .._graph.torch_products import scaled_in_fp32
 from .._onnx import in_operand_order
 from .cpu_buffers import converted, empty
 
@@ -38,8 +39,7 @@ def product(inputs, params):
     if params.get("output_bf16"):
         return [result]
     result = converted(result, torch.float32)
-    scaled = params["kind"] != "convolution" and len(operands) == 2 and params["alpha"] != 1.0
-    return [result * params["alpha"] if scaled else result]
+    return [result * params["alpha"] if scaled_in_fp32(params) else result]
 
 
 def _bf16_product(operands, params):
