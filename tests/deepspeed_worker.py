@@ -83,7 +83,7 @@ def train(stage, fp16, run, counts):
     for step in range(STEPS):
         x, target = rank_batch(step, torch.distributed.get_rank())
         loss = models.mlp_loss(engine(x.half() if fp16 else x), target)
-        if partitioned is None:  # ZeRO-3 partitions the parameters again after the forward, gathers them for the backward
+        if partitioned is None:  # ZeRO-3: partitioned again after the forward, gathered again for the backward
             partitioned = [p.numel() == 0 for p in engine.module.parameters()]
         engine.backward(loss * float("inf") if step == NON_FINITE_STEP else loss)
         engine.step()

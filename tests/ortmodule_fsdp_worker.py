@@ -80,7 +80,8 @@ def zero_ddp(ort):
     return model, (lambda p: ZeroRedundancyOptimizer(p, optimizer_class=torch.optim.AdamW, lr=0.02))
 
 
-SCENARIOS = {"fsdp_nested": fsdp_nested, "fsdp_nested_kept": functools.partial(fsdp_nested, reshard_after_forward=False),
+SCENARIOS = {"fsdp_nested": fsdp_nested,
+             "fsdp_nested_kept": functools.partial(fsdp_nested, reshard_after_forward=False),
              "fsdp_root": fsdp_root, "zero_ddp": zero_ddp}
 
 

@@ -5,10 +5,12 @@ ORTModule (2 gloo processes); what cannot work is refused by name."""
 import pickle
 from copy import deepcopy
 
+import onnx
 import pytest
 import torch
 import torch.nn as nn
 
+from ort_trainer._graph.backward_weights import weights_read_in_backward
 from ort_trainer.ortmodule import ORTModule
 
 from . import ortmodule_fsdp_worker as worker
@@ -66,14 +68,15 @@ class Folded(nn.Module):
 
 def _gathered_again(parameter, values):
     """What FSDP2 does to a gathered parameter between the forward and the backward: its memory freed
-    (and taken by something else), allocated again and filled (here with `values`), the tensor and
-    its version unchanged."""
+    (and taken by something else: the NaNs returned), allocated again and filled (here with `values`),
+    the tensor and its version unchanged."""
     storage = parameter.untyped_storage()
     storage.resize_(0)
-    taken = torch.full((4096,), float("nan"))  # noqa: F841 -- what the freed memory may hold meanwhile
+    taken = torch.full((4096,), float("nan"))
     storage.resize_(values.numel() * values.element_size())
     with torch.no_grad():
         torch.empty(0).set_(storage, 0, parameter.shape, parameter.stride()).copy_(values)
+    return taken
 
 
 def test_the_backward_reads_the_parameters_as_they_are_when_it_runs_as_eager_autograd_does():
@@ -84,17 +87,41 @@ def test_the_backward_reads_the_parameters_as_they_are_when_it_runs_as_eager_aut
     wrapped = ORTModule(deepcopy(eager))
     x = torch.randn(5, 8)
     inputs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    outputs = [eager(inputs[0]), wrapped(inputs[1])]
+    outputs, taken = [eager(inputs[0]), wrapped(inputs[1])], []
     for model in (eager, wrapped):
         for parameter in model.parameters():
             address = parameter.data_ptr()
-            _gathered_again(parameter, parameter.detach() * 2 + 0.1)
+            taken.append(_gathered_again(parameter, parameter.detach() * 2 + 0.1))
             assert parameter.data_ptr() != address
     for output in outputs:
         (output ** 2).sum().backward()
     torch.testing.assert_close(inputs[1].grad, inputs[0].grad)
     for (name, want), got in zip(eager.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
+def test_a_weight_a_backward_subgraph_reads_stays_read_in_place():
+    """A weight read inside an If after the YieldOp keeps the forward's memory (the Function refuses
+    it moving); one a backward node reads passes through the YieldOp and a PassThrough."""
+    helper, floats = onnx.helper, onnx.TensorProto.FLOAT
+    branch = helper.make_graph([helper.make_node("Identity", ["w"], ["read"])], "branch", [],
+                               [helper.make_tensor_value_info("read", floats, [2])])
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["y"]), helper.make_node("Mul", ["y", "v"], ["z"]),
+         helper.make_node("YieldOp", ["z"], ["z_grad"], domain="com.microsoft", full_shape_outputs=[0]),
+         helper.make_node("Mul", ["z_grad", "v"], ["y_grad"]),
+         helper.make_node("If", ["c"], ["w_read"], then_branch=branch, else_branch=branch)],
+        "training", [helper.make_tensor_value_info(name, floats, [2]) for name in ("x", "w", "v")]
+        + [helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(name, floats, [2]) for name in ("y_grad", "w_read")])
+    model = helper.make_model(graph)
+    assert weights_read_in_backward(model, ["w", "v"]) == (["v"], ["w"])
+    yield_op, passed, product = model.graph.node[2:5]
+    assert list(yield_op.input) == ["z", "v"] and list(yield_op.output) == ["z_grad", "v_backward_fed"]
+    assert (passed.op_type, list(passed.input), list(passed.output)) == ("PassThrough", ["v_backward_fed"],
+                                                                         ["v_backward"])
+    assert list(product.input) == ["z_grad", "v_backward"]
+    assert list(next(a for a in yield_op.attribute if a.name == "full_shape_outputs").ints) == [0, 1]
 
 
 def test_an_input_whose_memory_moves_before_the_backward_is_refused_not_read_freed():

@@ -45,10 +45,10 @@ def deepspeed_hooks_suspended(model):
     saved = []
     for module in model.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            ours = {key: hook for key, hook in hooks.items() if getattr(hook, "__module__", "").startswith("deepspeed.")}
-            if ours:
+            theirs = [key for key, hook in hooks.items() if getattr(hook, "__module__", "").startswith("deepspeed.")]
+            if theirs:
                 saved.append((hooks, dict(hooks)))
-                for key in ours:
+                for key in theirs:
                     del hooks[key]
     try:
         yield
@@ -72,6 +72,7 @@ def _gather(parameters):
 def _release(parameters, gathered_here):
     for parameter in parameters:
         parameter.ds_active_sub_modules.discard(IN_USE)
-    release = [parameter for parameter in gathered_here if not parameter.ds_active_sub_modules and not parameter.ds_persist]
+    release = [parameter for parameter in gathered_here
+               if not parameter.ds_active_sub_modules and not parameter.ds_persist]
     if release:
         release[0].partition(param_list=release)

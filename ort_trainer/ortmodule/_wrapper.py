@@ -121,9 +121,9 @@ class ORTModule(torch.nn.Module):
             if not _same_entries(value, getattr(self, name)):
                 kind = type(value)
                 raise NotImplementedError(
-                    f"ORTModule: its {name} table cannot be replaced by a {kind.__module__}.{kind.__qualname__} holding "
-                    "other entries: it is the model's (one holding the same entries, as DeepSpeed ZeRO stage 3's, "
-                    "replaces the model's too)")
+                    f"ORTModule: its {name} table cannot be replaced by a {kind.__module__}.{kind.__qualname__} "
+                    "holding other entries: it is the model's (one holding the same entries, as DeepSpeed ZeRO stage "
+                    "3's, replaces the model's too)")
             object.__setattr__(self._original_module, name, value)  # DeepSpeed ZeRO-3's: both share it still
             object.__setattr__(self, name, value)
             return
