@@ -452,6 +452,20 @@ def test_the_shared_tables_are_replaced_in_both_or_not_at_all(table):
     assert getattr(model, table) is same and getattr(wrapped, table) is same
 
 
+class _IndexingFails(dict):
+    """A parameter table whose indexing has effects (DeepSpeed's ZeROOrderedDict gathers the parameter)."""
+
+    def __getitem__(self, key):
+        raise AssertionError(f"indexed {key!r}")
+
+
+def test_a_replacement_table_is_compared_without_indexing_it():
+    model = nn.Linear(2, 3)
+    wrapped, table = ORTModule(model), _IndexingFails(model._parameters)
+    wrapped._parameters = table
+    assert model._parameters is table and wrapped._parameters is table
+
+
 def test_constructor_refusals():
     with pytest.raises(TypeError, match="module must be a torch.nn.Module, got function"):
         ORTModule(models.mlp)

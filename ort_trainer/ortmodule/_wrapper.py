@@ -44,8 +44,9 @@ class ORTModule(torch.nn.Module):
     """Wraps `module` so that its forward and backward run in ONNX Runtime.
 
     `model = ORTModule(model)` and the rest of the PyTorch loop stays: any torch optimizer, LR
-    scheduler, `clip_grad_norm_`, `DistributedDataParallel(ORTModule(model))`, autocast around the
-    loss, `state_dict()` (the model's keys), `torch.save`. Inputs are passed as `module.forward`
+    scheduler, `clip_grad_norm_`, `DistributedDataParallel(ORTModule(model))`, FSDP2's
+    `fully_shard(ORTModule(block))`, `deepspeed.initialize(model=ORTModule(model))` at any ZeRO
+    stage, autocast around the loss, `state_dict()` (the model's keys), `torch.save`. Inputs are passed as `module.forward`
     takes them (tensors by position or keyword; other arguments are constants of the call); any
     tensor outputs come back in the structure forward() returns (tuples, dicts, ModelOutputs).
 
@@ -369,10 +370,11 @@ def _is_model_method(value, model):
 
 
 def _same_entries(table, current):
-    """Whether `table` is a table (dict, set) holding what `current` holds (by identity)."""
+    """Whether `table` is a table (dict, set) holding what `current` holds (by identity). Read as a
+    plain dict: DeepSpeed's ZeROOrderedDict gathers a partitioned parameter when indexed."""
     if isinstance(current, dict):
-        return isinstance(table, dict) and table.keys() == current.keys() and all(
-            table[key] is value for key, value in dict.items(current))
+        theirs, ours = dict(dict.items(table)) if isinstance(table, dict) else None, dict(dict.items(current))
+        return theirs is not None and theirs.keys() == ours.keys() and all(theirs[k] is v for k, v in ours.items())
     return isinstance(table, set) and table == current
 
 
