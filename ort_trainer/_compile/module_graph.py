@@ -111,7 +111,7 @@ class ModuleGraph:
             substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
         graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
         self._forward_outputs = len(outputs) + len(self.batch_statistics.outputs)
-        read_again, in_place = [], weights + aliases  # weights the backward takes again (as they are then), reads
+        read_again, in_place = [], weights + aliases  # weights given to the backward again; weights read in place
         if needs_grad:
             self._reaching = outputs_reaching(model_proto, graph_outputs, outputs)
             self.read_by_backward = outputs_read_by_backward(model_proto, outputs)
