@@ -21,6 +21,7 @@ from .._export.outputs import output_names
 from .._export.trace import export_training_model, graph_name
 from .._graph.autocast import cast_outputs, lower_precision
 from .._graph.input_density import density_inputs
+from .._graph.backward_weights import weights_read_in_backward
 from .._graph.batch_norm import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.cpu_low_precision import low_precision_in_fp32
@@ -109,9 +110,12 @@ class ModuleGraph:
             # each rewrite finds its nodes in either kind
             substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
         graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
+        self._forward_outputs = len(outputs) + len(self.batch_statistics.outputs)
+        read_again, in_place = [], weights + aliases  # weights given to the backward again; weights read in place
         if needs_grad:
             self._reaching = outputs_reaching(model_proto, graph_outputs, outputs)
             self.read_by_backward = outputs_read_by_backward(model_proto, outputs)
+            read_again, in_place = weights_read_in_backward(model_proto, weights + aliases)
             forward_outputs_as_graph_outputs(model_proto, outputs + self.batch_statistics.outputs)
         _save(settings, model_proto, "optimized", training=needs_grad)
         # ORTMODULE_PRINT_MEMORY_STATS=1: the largest tensors, the first forward's and backward's peaks
@@ -121,7 +125,7 @@ class ModuleGraph:
         inputs = [i.name for i in model_proto.graph.input]
         self._runner = ModuleRunner(
             sessions, model_proto.SerializeToString(), inputs, graph_outputs,
-            len(outputs) + len(self.batch_statistics.outputs), trains=needs_grad,
+            self._forward_outputs + len(read_again), trains=needs_grad,
             draws_random_numbers=draws_random_numbers(model_proto),
             optimized_model_path=_path(settings, "execution_model", training=needs_grad),
             priority_order=bool(recomputed))
@@ -130,6 +134,9 @@ class ModuleGraph:
                    **{name: (Source.WEIGHT_WITHOUT_GRADIENT, by_graph_name[name[:-len(NO_GRADIENT_SUFFIX)]])
                       for name in aliases}}
         self._sources = [sources[name] for name in inputs]
+        self.read_again = [inputs.index(name) for name in read_again]  # feeds the backward takes again
+        movable = set(weights + aliases) - set(in_place)  # weights whose memory may move before the backward
+        self.read_in_place = [index for index, name in enumerate(inputs) if name not in movable]
         self.feed_names = [key for _, key in self._sources]  # the call's input or the model's tensor, per feed
         slots = {name: index for index, name in enumerate(built.differentiated)}
         self.gradient_slots = [slots.get(name) for name in inputs]  # each feed's backward output
@@ -168,7 +175,8 @@ class ModuleGraph:
     def run_forward(self, feeds):
         """(outputs, state): the forward of a training call; `state` keeps what its backward reads."""
         with self._memory_measured("forward"):
-            return self._runner.run_forward(feeds)
+            outputs, state = self._runner.run_forward(feeds)
+        return outputs[:self._forward_outputs], state  # not the weights passed through the YieldOp
 
     @contextlib.contextmanager
     def _memory_measured(self, phase):
@@ -188,13 +196,14 @@ class ModuleGraph:
                 f"{name} {dims} {kind} {size / 2 ** 20:.1f} MiB" for size, name, dims, kind in self._memory_stats)
         LOGGER.handle(LOGGER.makeRecord(LOGGER.name, logging.INFO, __file__, 0, message, (), None))
 
-    def run_backward(self, state, output_grads, used):
+    def run_backward(self, state, output_grads, used, feeds):
         """The gradients of the forward's inputs that require one, in feed order, from the gradients
         of its outputs (`output_grads`: tensors, in output order; `used`: the indices of the outputs
-        that received a gradient, the others' are zeros). None for the others, and for those no
-        output in `used` depends on: torch leaves them without a gradient, ONNX Runtime gives zeros."""
+        that received a gradient, the others' are zeros) and the forward's `feeds` as they are now
+        (those in `read_again` are read again). None for the others, and for those no output in
+        `used` depends on: torch leaves them without a gradient, ONNX Runtime gives zeros."""
         with self._memory_measured("backward"):
-            grads = self._runner.run_backward(state, output_grads)
+            grads = self._runner.run_backward(state, [*output_grads, *(feeds[index] for index in self.read_again)])
         return [None if slot is None or not self._reaching[slot] & used else grads[slot]
                 for slot in self.gradient_slots]
 
