@@ -11,7 +11,7 @@ numbers, or an output), a Gather puts each position's row back (the padded ones 
 row). ONNX Runtime's gradient builder differentiates both Gathers: the shared row's gradient is the
 sum of the padded positions' gradients, which is what the dense graph sums into the weights.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 
@@ -101,6 +101,7 @@ class _Region:
     sparse: dict  # dense tensor name -> whether its dense form is flat ([positions, width])
     densified: set  # the tensors of the region needed dense
     dense: list  # why, per op (no repeats)
+    reasons: dict = field(default_factory=dict)  # node (its first output) -> why it reads the dense form
 
 
 def _region(model, marker, weights, tensors):
@@ -130,13 +131,59 @@ def _region(model, marker, weights, tensors):
         else:
             region.densified.update(read)
             variant.update(node.output)
-            if reason not in region.dense:
-                region.dense.append(reason)
+            region.reasons[node.output[0]] = reason
     outputs = {value.name for value in graph.output}
     region.densified.update(name for name in region.sparse if name in outputs)
-    if any(name in outputs for name in region.sparse) and "a graph output" not in region.dense:
+    _trim(region, tensors)
+    region.dense = list(dict.fromkeys(region.reasons[node.output[0]] for node in graph.node
+                                      if node.output[0] in region.reasons
+                                      and any(name in region.densified for name in node.input)))
+    if any(name in outputs for name in region.sparse):
         region.dense.append("a graph output")
     return region
+
+
+def _trim(region, tensors):
+    """Gives the region's last nodes back to the dense graph where the dense rows are cheaper to
+    remake before them: walking back from each tensor needed dense through nodes with one sparse
+    input, the rows are remade at the narrowest tensor (the latest of equal ones; one remade anyway
+    costs nothing). The Gather that
+    remakes rows, and its gradient's scatter, cost per value: a vocabulary head's product widens
+    each row from its width to the vocabulary."""
+    def width(name):
+        dims = _dims(tensors, name)
+        return dims[-1] if dims and isinstance(dims[-1], int) else None
+
+    for end in sorted(region.densified):
+        producers = {name: node for node in region.nodes for name in node.output if name}
+        readers = {}
+        for node in region.nodes:
+            for name in node.input:
+                readers.setdefault(name, []).append(node)
+        if readers.get(end) or width(end) is None:
+            continue  # computed sparse for the region's own readers anyway
+        path, names, cut, narrowest = [], [end], 0, width(end)
+        while names[-1] in producers:
+            node = producers[names[-1]]
+            inputs = [name for name in node.input if name in region.sparse]
+            if len(inputs) != 1 or width(inputs[0]) is None or any(
+                    readers.get(other) for other in node.output if other and other != names[-1]):
+                break
+            path.append(node)
+            names.append(inputs[0])
+            cost = 0 if inputs[0] in region.densified else width(inputs[0])  # remade already: free
+            if cost < narrowest:
+                cut, narrowest = len(path), cost
+            if len(readers[inputs[0]]) > 1 or inputs[0] in region.densified:
+                break
+        for node in path[:cut]:
+            region.nodes.remove(node)
+            for output in node.output:
+                region.sparse.pop(output, None)
+                region.densified.discard(output)
+            region.reasons[node.output[0]] = f"{node.op_type} (fewer values to remake before it)"
+        if cut:
+            region.densified.add(names[cut])
 
 
 def _not_per_token(node, read, sparse, variant, tensors):
@@ -221,7 +268,7 @@ def _rewrite(model, marker, region, tensors):
         make("PaddingRows", [p + "sparse_lookup", p + "sparse_ids"], [sparse_name(marker.output[0])],
              domain=MARKER_DOMAIN, padding_idx=node_attributes(marker)["padding_idx"]),
     ]
-    in_region = {id(node) for node in region.nodes}
+    in_region = {node.output[0] for node in region.nodes}
     lookup_read_elsewhere = any(lookup.output[0] in node.input for node in graph.node if node is not marker)
     nodes = []
     for node in graph.node:
@@ -231,7 +278,7 @@ def _rewrite(model, marker, region, tensors):
             nodes += index_nodes
             nodes += _densify(marker.output[0], region, p, ids, sparse_name)
             continue
-        if id(node) in in_region:
+        if node.output[0] in in_region:
             outputs = list(node.output)
             _to_sparse(node, region.sparse, sparse_name)
             nodes.append(node)
