@@ -251,12 +251,17 @@ def _rewrite(model, marker, region, tensors):
         int64_constant(p + "all", [-1]),
         make("Reshape", [ids, p + "all"], [p + "flat_ids"]),
         *kept_positions(p + "flat_ids", node_attributes(marker)["padding_idx"], p),
-        # the shared padded row: the first padded position (none: row 0 again, which no position reads)
+        # the shared padded row, where there is padding: the first padded position's
         make("Cast", [p + "empty"], [p + "padded32"], to=onnx.TensorProto.INT32),
         make("ArgMax", [p + "padded32"], [p + "first_padded"], axis=0, keepdims=1),
-        make("Concat", [p + "kept_rows", p + "first_padded"], [rows_dim], axis=0),
-        # each position's row: its place among the kept rows, or the shared row (after them)
+        make("Concat", [p + "kept_rows", p + "first_padded"], [p + "kept_then_first_padded"], axis=0),
         make("Shape", [p + "kept_rows"], [p + "kept_count"]),
+        make("ReduceMax", [p + "padded32"], [p + "any_padded32"], keepdims=1),
+        make("Cast", [p + "any_padded32"], [p + "any_padded"], to=onnx.TensorProto.INT64),
+        make("Add", [p + "kept_count", p + "any_padded"], [p + "row_count"]),
+        int64_constant(p + "start", [0]),
+        make("Slice", [p + "kept_then_first_padded", p + "start", p + "row_count"], [rows_dim]),
+        # each position's row: its place among the kept rows, or the shared row (after them)
         make("Cast", [p + "kept"], [p + "kept64"], to=onnx.TensorProto.INT64),
         int64_constant(p + "axis0", 0),
         make("CumSum", [p + "kept64", p + "axis0"], [p + "kept_through"]),
