@@ -28,7 +28,8 @@ class PaddedLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed, self.norm = nn.Embedding(VOCAB, WIDTH, padding_idx=PAD), nn.LayerNorm(WIDTH)
-        self.up, self.down, self.head = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH), nn.Linear(WIDTH, VOCAB)
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, ids):
         hidden = self.norm(self.embed(ids))

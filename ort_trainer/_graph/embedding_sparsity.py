@@ -115,7 +115,7 @@ def _region(model, marker, weights, tensors):
     region = _Region([], {marker.output[0]: len(ids) == 1}, set(), [])
     started = False
     for node in graph.node:
-        if node is marker:
+        if node.output[0] == marker.output[0]:
             started = True
             continue
         read = [name for name in node.input if name in region.sparse]
@@ -274,12 +274,13 @@ def _rewrite(model, marker, region, tensors):
              domain=MARKER_DOMAIN, padding_idx=node_attributes(marker)["padding_idx"]),
     ]
     in_region = {node.output[0] for node in region.nodes}
-    lookup_read_elsewhere = any(lookup.output[0] in node.input for node in graph.node if node is not marker)
+    lookup_read_elsewhere = any(lookup.output[0] in node.input for node in graph.node
+                                if node.output[0] != marker.output[0])
     nodes = []
     for node in graph.node:
-        if node is lookup and not lookup_read_elsewhere:
+        if node.output[0] == lookup.output[0] and not lookup_read_elsewhere:
             continue
-        if node is marker:
+        if node.output[0] == marker.output[0]:
             nodes += index_nodes
             nodes += _densify(marker.output[0], region, p, ids, sparse_name)
             continue
