@@ -21,9 +21,7 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +31,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.label_sparsity import add_timing_arguments, interleaved  # noqa: E402
 from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 
 ENGINES = ("ortmodule dense", "ortmodule sparse", "ortrainer dense", "ortrainer sparse", "eager")
@@ -75,11 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--padding", type=float, default=0.5, help="share of each row's positions that are padding")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--warmup", type=int, default=2, help="steps per engine before timing")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3, help="steps per engine per round")
-    p.add_argument("--json", type=Path, help="write the results here")
+    add_timing_arguments(p)
     return p.parse_args(argv)
 
 
@@ -143,17 +138,7 @@ def main(argv=None):
              "ortmodule sparse": _ortmodule(copy.deepcopy(model), sparse=True),
              "ortrainer dense": _trainer(copy.deepcopy(model), args, sparse=False),
              "ortrainer sparse": _trainer(copy.deepcopy(model), args, sparse=True), "eager": _eager(model)}
-    batches = _batches(args, args.warmup + args.rounds * args.steps)
-    losses = {engine: [steps[engine](*batch) for batch in batches[:args.warmup]] for engine in ENGINES}
-    times = {engine: [] for engine in ENGINES}
-    for round_ in range(args.rounds):
-        todo = batches[args.warmup + round_ * args.steps:][:args.steps]
-        shift = round_ % len(ENGINES)
-        for engine in ENGINES[shift:] + ENGINES[:shift]:
-            start = time.perf_counter()
-            losses[engine] += [steps[engine](*batch) for batch in todo]
-            times[engine].append((time.perf_counter() - start) * 1000 / args.steps)
-    median = {engine: statistics.median(values) for engine, values in times.items()}
+    losses, median = interleaved(steps, _batches(args, args.warmup + args.rounds * args.steps), args)
     result = {"config": {key: value for key, value in vars(args).items() if key != "json"},
               "median_ms_per_step": median}
     for front in ("ortmodule", "ortrainer"):
