@@ -96,15 +96,7 @@ def _ortmodule(model, sparse):
         wrapped = ORTModule(WithLoss(model))
     finally:
         os.environ.pop(SWITCH) if before is None else os.environ.__setitem__(SWITCH, before)
-    adam = torch.optim.AdamW(wrapped.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-
-    def step(ids, labels):
-        adam.zero_grad()
-        loss = wrapped(ids, labels)
-        loss.backward()
-        adam.step()
-        return loss.item()
-    return step
+    return _adamw(wrapped, wrapped)
 
 
 def _trainer(model, args, sparse):
@@ -117,12 +109,13 @@ def _trainer(model, args, sparse):
     return lambda ids, labels: trainer.train_step(ids, labels).item()
 
 
-def _eager(model):
-    adam = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+def _adamw(module, loss_fn):
+    """A train step of `module` in torch: loss_fn(ids, labels), backward, AdamW."""
+    adam = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
     def step(ids, labels):
         adam.zero_grad()
-        loss = loss_of(model(ids), labels)
+        loss = loss_fn(ids, labels)
         loss.backward()
         adam.step()
         return loss.item()
@@ -137,7 +130,8 @@ def main(argv=None):
     steps = {"ortmodule dense": _ortmodule(copy.deepcopy(model), sparse=False),
              "ortmodule sparse": _ortmodule(copy.deepcopy(model), sparse=True),
              "ortrainer dense": _trainer(copy.deepcopy(model), args, sparse=False),
-             "ortrainer sparse": _trainer(copy.deepcopy(model), args, sparse=True), "eager": _eager(model)}
+             "ortrainer sparse": _trainer(copy.deepcopy(model), args, sparse=True),
+             "eager": _adamw(model, lambda ids, labels: loss_of(model(ids), labels))}
     losses, median = interleaved(steps, _batches(args, args.warmup + args.rounds * args.steps), args)
     result = {"config": {key: value for key, value in vars(args).items() if key != "json"},
               "median_ms_per_step": median}
