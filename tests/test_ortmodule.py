@@ -598,8 +598,12 @@ def test_debug_options_refuse_bad_arguments(arguments, error, message):
                                                     r"ort_trainer's ORTModule: every custom torch.autograd.Function "
                                                     r"runs its own forward and backward inside the graph"),
     ("ORTMODULE_ENABLE_SPARSE_OPTIMIZER", "1", r"ORTMODULE_ENABLE_SPARSE_OPTIMIZER='1' is not supported by "
-                                               r"ort_trainer's ORTModule: the input-sparsity optimizations"),
-    ("ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "1", r"the embedding-sparsity optimization is not implemented"),
+                                               r"ort_trainer's ORTModule: the input-sparsity optimizations of this "
+                                               r"older switch have a switch each here: "
+                                               r"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER and "
+                                               r"ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER, both on by default"),
+    ("ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "2",
+     r"ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER='2' must be 0 or 1"),
     ("ORTMODULE_PRINT_MEMORY_STATS", "on", r"ORTMODULE_PRINT_MEMORY_STATS='on' must be 0 or 1"),
 ])
 def test_environment_variables_refuse_bad_or_unsupported_values(monkeypatch, variable, value, message):

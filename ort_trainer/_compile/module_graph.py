@@ -1,6 +1,7 @@
 """ORTModule's compile stage: one input signature of the wrapped model, compiled. The model exported
 (every module in its own train/eval state), training-mode BatchNorms rewritten, label sparsity
-(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss but not its logits), the graph fixes,
+(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss but not its logits), embedding sparsity
+(ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER), the graph fixes,
 ONNX Runtime's ORTModule graph builder, the device's kernel substitutions, then a runner (a
 `TrainingAgent`, or an inference session for calls without gradients).
 
@@ -8,6 +9,7 @@ Parameters and buffers are graph inputs read from the model's own tensors on eve
 no copy); gradients come back as new tensors, for autograd to accumulate into `.grad`.
 """
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -25,6 +27,7 @@ from .._graph.backward_weights import weights_read_in_backward
 from .._graph.batch_norm import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.cpu_low_precision import low_precision_in_fp32
+from .._graph.embedding_sparsity import drop_padding_rows
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.label_sparsity import gather_labelled_rows
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
@@ -76,6 +79,9 @@ class ModuleGraph:
         declare_torch_node_outputs(exported)
         if settings.label_sparsity:  # where forward() returns the loss without the logits
             gather_labelled_rows(exported, outputs)
+        # per embedding with a padding_idx: made sparse, or why not (the density report says)
+        self.sparse_embeddings = [dataclasses.replace(outcome, weight=by_graph_name[outcome.weight])
+                                  for outcome in drop_padding_rows(exported, weights)] if settings.embedding_sparsity else []
         widened = device_type == "cpu" and low_precision_in_fp32(exported)
         inputs_requiring_grad = [i.name for i in exported.graph.input
                                  if needs_grad and i.name in values and values[i.name].requires_grad]
