@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from .._compile.cache import GraphCache
+from .._compile.module_cache import ModuleGraphCache
 from .._compile.module_graph import ModuleGraph
 from .._configuration.ortmodule_settings import FallbackPolicy, settings
 from .._configuration.runtime_settings import RuntimeSettings
@@ -31,7 +32,7 @@ from ._graph_function import _GraphFunction
 
 MAX_CACHED_GRAPHS = 8  # as ORTTrainer's utils.max_cached_graphs default
 _SHARED_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
-_OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state", "_density",
+_OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state", "_density", "_disk",
                   "forward",  # a forward set on the wrapper (accelerate's autocast) is the wrapper's
                   "__class__"))  # so is a class swapped in (FSDP2's fully_shard)
 _PYTORCH = "run the PyTorch model"  # a signature whose graph could not be compiled (fallback)
@@ -93,6 +94,7 @@ class ORTModule(torch.nn.Module):
         self._sessions = {}  # torch device -> the Sessions of its Placement
         self._state = ModuleState(module)
         self._density = DensityReport()  # ORTMODULE_PRINT_INPUT_DENSITY=1
+        self._disk = ModuleGraphCache(own_settings.cache_directory)  # ORTMODULE_CACHE_DIR
         self.training = module.training
 
     @property
@@ -213,6 +215,9 @@ class ORTModule(torch.nn.Module):
         """The graph of a new signature, or _PYTORCH when it cannot be compiled and the fallback
         policy allows it. The model's own errors (its forward fails in PyTorch) propagate."""
         model = self._original_module
+        disk_key, graph = self._from_disk(binding, values, named, needs_grad)
+        if graph is not None:  # a graph on disk (ORTMODULE_CACHE_DIR): no probe, no compile
+            return graph
         before = self._state.read()
         output, changed = probe_call(model, binding, values, grad=needs_grad)
         self._state.forgets(before, self._state.read())
@@ -240,8 +245,10 @@ class ORTModule(torch.nn.Module):
             sessions = self._sessions_of(values, named)
             compute_dtype = _compute_dtype(sessions.placement.ort_device)
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
-            return ModuleGraph(model, binding, values, schema, sessions, self._settings, needs_grad,
-                               compute_dtype=compute_dtype)
+            graph = ModuleGraph.compiled(model, binding, values, schema, sessions, self._settings, needs_grad,
+                                         compute_dtype=compute_dtype)
+            self._disk.store(disk_key, graph, model, self._state)
+            return graph
         except Exception as error:
             if isinstance(error, DataDependentTraceError):
                 kind = FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
@@ -249,6 +256,17 @@ class ORTModule(torch.nn.Module):
                 raise
             self._warn(kind, error)
             return _PYTORCH
+
+    def _from_disk(self, binding, values, named, needs_grad):
+        """(the key of this signature's graph in the cache on disk, the graph found there or None);
+        (None, None) without a cache or on a device ONNX Runtime lacks (the compile says why)."""
+        if self._settings.cache_directory is None or not {
+                t.device.type for t in (*named.values(), *values.values())} <= {"cpu", "cuda"}:
+            return None, None
+        sessions = self._sessions_of(values, named)
+        key = self._disk.key(self._original_module, self._state, binding, values, self._settings, sessions,
+                             needs_grad=needs_grad, autocast=_autocast())
+        return key, self._disk.load(key, self._original_module, self._state, sessions, self._settings)
 
     def _sessions_of(self, values, named):
         """The Sessions of the device the model and inputs are on (one per device)."""
