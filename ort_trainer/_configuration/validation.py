@@ -19,6 +19,8 @@ import yaml
 from cerberus import TypeDefinition
 from cerberus.errors import UNKNOWN_FIELD
 
+from .._checkpoint_files import directory_problem
+
 TORCH_DTYPES = {
     name: getattr(torch, name)
     for name in ("bfloat16", "bool", "float16", "float32", "float64", "int8", "int32", "int64", "uint8")
@@ -145,6 +147,13 @@ class Validator(cerberus.Validator):
         """A path a graph is written to: '' (not written) or a file, not a directory."""
         if value and (value.endswith(("/", os.sep)) or os.path.isdir(value)):
             self._error(field, f"must be a file path, got {_show(value)} (a directory)")
+
+    def _check_with_cache_directory(self, field, value):
+        """'' (no cache) or a directory the graph cache can write to (created if missing)."""
+        problem = directory_problem(value) if value else None
+        if problem is not None:
+            self._error(field, f"must be a directory the graph cache can write to (created if missing), got "
+                               f"{_show(value)}: {problem}")
 
     def _check_with_provider_options(self, field, value):
         """A provider of ``provider_options`` (``field``, its options ``value``) must be one the trainer
