@@ -68,7 +68,7 @@ class DiskCache:
         try:
             with open(path, "rb") as file:
                 content = file.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing there (`store` says why it cannot write)
             return None
         except OSError as error:
             LOGGER.warning("ort_trainer graph cache: cannot read %s (%s); compiling the graph", path, error)
