@@ -62,19 +62,6 @@ def atomic_write(path, write: Callable[[BinaryIO], object]) -> None:
         raise
 
 
-def directory_problem(path):
-    """Why `path` cannot hold the cache (None when it can): an existing writable directory, or a
-    path whose nearest existing parent is a writable directory (the cache creates it)."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{existing!r} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing!r} is not writable"
-    return None
-
-
 def save(path, state: Mapping) -> None:
     """Write ``state`` plus the format keys to ``path`` atomically (``atomic_write``), after checking
     that every value is one ``torch.load(weights_only=True)`` reads back."""

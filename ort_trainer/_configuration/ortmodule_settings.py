@@ -20,7 +20,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from .._checkpoint_files import directory_problem
+from .validation import directory_problem
 
 _OPSETS = range(14, 18)  # those our symbolics and graph fixes are tested on (ORTTrainer's range)
 DEFAULT_OPSET = 14

@@ -19,8 +19,6 @@ import yaml
 from cerberus import TypeDefinition
 from cerberus.errors import UNKNOWN_FIELD
 
-from .._checkpoint_files import directory_problem
-
 TORCH_DTYPES = {
     name: getattr(torch, name)
     for name in ("bfloat16", "bool", "float16", "float32", "float64", "int8", "int32", "int64", "uint8")
@@ -36,6 +34,19 @@ def _read_schema(name: str) -> dict:
 def load_schema(name: str) -> dict:
     """The schema ``schemas/<name>.yaml`` (read once; a copy, since cerberus expands schemas in place)."""
     return copy.deepcopy(_read_schema(name))
+
+
+def directory_problem(path):
+    """Why `path` cannot hold the cache (None when it can): an existing writable directory, or a
+    path whose nearest existing parent is a writable directory (the cache creates it)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing!r} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing!r} is not writable"
+    return None
 
 
 @runtime_checkable
