@@ -65,6 +65,8 @@ class ModuleGraphCache:
             return None
         graph = ModuleGraph(model, parts, sessions, settings)
         state.forgets_written(written)
+        LOGGER.info("ORTModule: the %s graph of %s read from %s", graph.kind, type(model).__name__,
+                    self._disk.path(key))
         return graph
 
     def store(self, key, graph, model, state):

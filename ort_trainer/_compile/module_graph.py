@@ -177,7 +177,7 @@ class ModuleGraph:
     `sessions`: the placement's `Sessions`; `settings`: the ORTModule's settings."""
 
     def __init__(self, model, parts, sessions, settings):
-        self.parts = parts
+        self.parts = parts if settings.cache_directory is not None else None  # to be stored on disk
         self.schema, self.trains = parts.schema, parts.trains
         self.density_inputs = parts.density_inputs
         self.batch_statistics = BatchStatistics.restored(model, *parts.statistics)
