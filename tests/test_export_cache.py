@@ -230,7 +230,9 @@ def test_trainer_reads_its_graphs_from_disk_with_the_same_losses(tmp_path, expor
 
 
 def test_another_process_reads_the_graph_this_one_wrote(tmp_path, monkeypatch):
-    """What the in-process tests cannot show: another process's objects, hash salt and caches."""
+    """What the in-process tests cannot show: another process's objects, hash salt, caches and imports
+    (this one has imported transformers, the other has not)."""
+    import transformers  # noqa: F401
     script = textwrap.dedent(f"""
         import json, sys, torch
         sys.path[:0] = [{str(ROOT)!r}, {str(tmp_path)!r}]

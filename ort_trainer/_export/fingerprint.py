@@ -16,7 +16,7 @@ A value it cannot describe that way (an object inside an object, code without so
 import enum
 import functools
 import hashlib
-import importlib
+import importlib.metadata
 import inspect
 import json
 import linecache
@@ -41,14 +41,23 @@ class NotPortable(ValueError):
 
 
 def library_versions():
-    """{library: version} of the libraries a graph depends on (transformers only once imported);
-    ort_trainer's also names a digest of its own sources, so an edited checkout counts as new."""
+    """{library: version} of the libraries a graph depends on, imported or not (a process that has not
+    imported transformers has the same key as one that has); ort_trainer's also names a digest of its
+    own sources, so an edited checkout counts as new."""
     versions = {"python": "%d.%d" % sys.version_info[:2], "ort_trainer_sources": _own_sources()}
     for name in _VERSIONED:
-        module = sys.modules.get(name) or (importlib.import_module(name) if name != "transformers" else None)
-        if module is not None:
-            versions[name] = str(getattr(module, "__version__", "?"))
+        module = sys.modules.get(name)
+        versions[name] = str(module.__version__) if module is not None else _installed_version(name)
     return versions
+
+
+@functools.cache
+def _installed_version(name):
+    """The installed version of a library not imported (None: not installed), without importing it."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @functools.cache
@@ -153,17 +162,14 @@ class _Code:
                 for klass in obj.__mro__[1:]:
                     stack.append(klass)
                 functions = [getattr(item, "__func__", item) for item in vars(obj).values()]
-                stack.extend(f for f in functions if isinstance(f, types.FunctionType))
-                self._file(obj, inspect.getsourcefile if obj.__module__ != "builtins" else None)
+                functions = [f for f in functions if isinstance(f, types.FunctionType)]
+                stack.extend(functions)
+                self._file(obj, _class_file(obj, functions))
             elif isinstance(obj, types.FunctionType):
-                self._file(obj, lambda f: f.__code__.co_filename)
+                self._file(obj, obj.__code__.co_filename)
                 stack.extend(_globals_named(obj))
 
-    def _file(self, obj, where):
-        try:
-            filename = where(obj) if where is not None else None
-        except TypeError:
-            filename = None
+    def _file(self, obj, filename):
         if filename is None:
             raise NotPortable(f"{_name(obj)} has no source file")
         if filename in self._files:
@@ -175,6 +181,14 @@ class _Code:
             if not source:
                 raise NotPortable(f"{_name(obj)}'s source ({filename}) cannot be read")
         self._files[filename] = hashlib.sha256(source).hexdigest()
+
+
+def _class_file(klass, functions):
+    """The file that defines `klass`, or None (a class of C code)."""
+    try:
+        return inspect.getsourcefile(klass)
+    except TypeError:  # a class of an interactive session (no module file): its methods' code names it
+        return next((f.__code__.co_filename for f in functions), None)
 
 
 def _versioned(obj):
