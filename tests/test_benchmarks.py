@@ -101,3 +101,12 @@ def test_bf16_overhead_benchmark_runs(tmp_path):
     result, _ = _run("bf16_overhead.py", "--vocab", "40", "--rounds", "1", "--steps", "1", tmp_path=tmp_path)
     assert result["bare_products_ms"] > 0 and result["bf16_nodes_ms"] > 0
     assert {"bf16_product_ms", "bf16_product_grad_ms", "to_bf16_ms"} <= set(result)
+
+
+def test_export_cache_benchmark_reads_the_warm_process_graphs_from_disk(tmp_path):
+    result, done = _run("export_cache.py", "--vocab", "50", "--layers", "1", "--width", "16", "--heads", "2",
+                        "--batch", "2", "--seq", "4", "--threads", "1", "--repeats", "1", "--engines", "ortmodule",
+                        tmp_path=tmp_path)
+    runs = result["engines"]["ortmodule"]["runs"]  # ORTTrainer's path: tests/test_export_cache.py
+    assert [run["traces"] for run in runs["cold"] + runs["warm"]] == [1, 0]
+    assert "warm / cold" in done.stdout

@@ -58,6 +58,7 @@ HONOURED = {
     "utils.frozen_weights": "test_trainer_features.py::test_frozen_weights_get_no_gradient_and_stay_put",
     "utils.grad_norm_clip": "test_trainer_parity.py::test_mlp_parity",
     "utils.max_cached_graphs": "test_trainer_shapes.py::test_graph_cache_is_bounded_and_recompiles_evicted_shapes",
+    "utils.graph_cache_dir": "test_export_cache.py::test_trainer_reads_its_graphs_from_disk_with_the_same_losses",
     "debug.deterministic_compute": "test_options_effect.py::test_deterministic_compute_reaches_the_sessions",
     "debug.check_model_export":
         "test_trainer_errors.py::test_check_model_export_reports_a_graph_that_differs_from_torch",

@@ -13,7 +13,7 @@ from ort_trainer._configuration.validation import load_schema, validate
 
 TOP_LEVEL_KEYS = ("_internal_use, batch, debug, device, distributed, graph_transformer, lr_scheduler, "
                   "mixed_precision, provider_options, session_options, utils")
-UTILS_KEYS = ("frozen_weights, grad_norm_clip, invertible_layer_norm_gradient, max_cached_graphs, "
+UTILS_KEYS = ("frozen_weights, grad_norm_clip, graph_cache_dir, invertible_layer_norm_gradient, max_cached_graphs, "
               "memory_efficient_gradient, run_symbolic_shape_infer")
 DTYPES = "'bfloat16', 'bool', 'float16', 'float32', 'float64', 'int8', 'int32', 'int64', 'uint8'"
 
@@ -57,7 +57,7 @@ DEFAULT_OPTIONS = {
     "utils": {
         "frozen_weights": [], "grad_norm_clip": True, "memory_efficient_gradient": False,
         "invertible_layer_norm_gradient": False, "run_symbolic_shape_infer": False,
-        "max_cached_graphs": 8,
+        "max_cached_graphs": 8, "graph_cache_dir": "",
     },
     "debug": {
         "deterministic_compute": False, "check_model_export": False,

@@ -14,20 +14,21 @@ import enum
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import onnx
 import torch
 
 from .._configuration.ortmodule_settings import LogLevel
-from .._export.outputs import output_names
+from .._export.outputs import OutputSchema, output_names
 from .._export.trace import export_training_model, graph_name
 from .._graph.autocast import cast_outputs, lower_precision
-from .._graph.input_density import density_inputs
 from .._graph.backward_weights import weights_read_in_backward
+from .._graph.input_density import density_inputs
 from .._graph.batch_norm import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.cpu_low_precision import low_precision_in_fp32
-from .._graph.embedding_sparsity import drop_padding_rows
+from .._graph.embedding_sparsity import Outcome, drop_padding_rows
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.label_sparsity import gather_labelled_rows
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
@@ -51,107 +52,191 @@ class Source(enum.Enum):
     WEIGHT_WITHOUT_GRADIENT = "a weight read where it gets no gradient (an embedding's padding rows)"
 
 
+@dataclass
+class GraphParts:
+    """What one compile made that running its graph needs, and nothing of the process that made it:
+    the built graph (`model`, consumed by `ModuleGraph`) and ModuleGraph's tables (see there), so
+    that the exported-model cache on disk (`_compile.disk_cache`) can keep them (`encoded`)."""
+
+    model: onnx.ModelProto
+    trains: bool
+    schema: object  # `_export.outputs.OutputSchema`
+    density_inputs: dict
+    statistics: tuple  # `BatchStatistics` (modules, outputs)
+    non_differentiable: list
+    full_shape_grads: set
+    reaching: list  # a training graph's: per gradient, the indices of the outputs it is computed from
+    read_by_backward: list
+    recomputed: int
+    sources: list  # (Source, key) per graph input
+    gradient_slots: list
+    fetched: list  # what the runner fetches: the gradients, or the forward's outputs
+    sparse_embeddings: list  # `_graph.embedding_sparsity.Outcome` per embedding with a padding_idx
+    forward_outputs: int  # the forward's outputs (then the weights it passes through the YieldOp)
+    read_again: list  # the feeds the backward takes again (indices)
+    read_in_place: list  # the feeds whose memory must not move before the backward (indices)
+
+    def encoded(self):
+        """(JSON-able meta, {name: bytes}); `_export.fingerprint.NotPortable` where the schema holds
+        values JSON cannot say."""
+        meta = {"trains": self.trains, "schema": self.schema.encoded(), "density_inputs": self.density_inputs,
+                "statistics": list(self.statistics), "non_differentiable": self.non_differentiable,
+                "full_shape_grads": sorted(self.full_shape_grads),
+                "reaching": [sorted(r) for r in self.reaching] if self.reaching is not None else None,
+                "read_by_backward": self.read_by_backward, "recomputed": self.recomputed,
+                "sources": [[source.name, key] for source, key in self.sources], "gradient_slots": self.gradient_slots,
+                "fetched": self.fetched, "sparse_embeddings": [dataclasses.asdict(o) for o in self.sparse_embeddings],
+                "forward_outputs": self.forward_outputs, "read_again": self.read_again,
+                "read_in_place": self.read_in_place}
+        return meta, {"graph": self.model.SerializeToString()}
+
+    @classmethod
+    def decoded(cls, meta, blobs):
+        """The parts `encoded` gave (ValueError, KeyError, TypeError where they are not)."""
+        reaching = meta["reaching"]
+        return cls(model=onnx.load_from_string(blobs["graph"]), trains=bool(meta["trains"]),
+                   schema=OutputSchema.decoded(meta["schema"]),
+                   density_inputs={name: tuple(rule) for name, rule in meta["density_inputs"].items()},
+                   statistics=tuple(meta["statistics"]), non_differentiable=list(meta["non_differentiable"]),
+                   full_shape_grads=set(meta["full_shape_grads"]),
+                   reaching=None if reaching is None else [set(r) for r in reaching],
+                   read_by_backward=meta["read_by_backward"], recomputed=int(meta["recomputed"]),
+                   sources=[(Source[source], key) for source, key in meta["sources"]],
+                   gradient_slots=list(meta["gradient_slots"]), fetched=list(meta["fetched"]),
+                   sparse_embeddings=[Outcome(**{**o, "dense": tuple(o["dense"])}) for o in meta["sparse_embeddings"]],
+                   forward_outputs=int(meta["forward_outputs"]), read_again=list(meta["read_again"]),
+                   read_in_place=list(meta["read_in_place"]))
+
+
+def compile_parts(model, binding, values, schema, sessions, settings, needs_grad, *, compute_dtype=None):
+    """The GraphParts of one signature: export, rewrites, ORT's builder, kernel substitutions.
+    `schema`: the OutputSchema of forward()'s result; `needs_grad`: a graph with a backward;
+    `sessions`: the placement's `Sessions`; `compute_dtype`: 'float16' or 'bfloat16' for a call under
+    torch.autocast (`_graph.autocast`: the products in that type, the outputs in the types the model
+    returns under autocast)."""
+    outputs = output_names(schema)
+    device_type = sessions.placement.ort_device
+    with torch.autocast(device_type, enabled=False):  # the graph's own casts follow (`_graph.autocast`)
+        exported = export_training_model(model, None, binding, outputs, values, settings.opset)
+    _save(settings, exported, "torch_exported", training=needs_grad)
+    density = density_inputs(exported)  # before the fixes drop the padding marker
+    statistics = BatchStatistics(model)  # training-mode BatchNorms: batch statistics as outputs
+    statistics.rewrite(exported)
+    by_graph_name = {graph_name(name): name for name, _ in (*model.named_parameters(), *model.named_buffers())}
+    weights = [i.name for i in exported.graph.initializer if i.name in by_graph_name]
+    parameters = dict(model.named_parameters())
+    trainable = [name for name in weights if needs_grad and by_graph_name[name] in parameters
+                 and parameters[by_graph_name[name]].requires_grad]
+    weights_as_inputs(exported, weights)
+    declare_torch_node_outputs(exported)
+    if settings.label_sparsity:  # where forward() returns the loss without the logits
+        gather_labelled_rows(exported, outputs)
+    # per embedding with a padding_idx: made sparse, or why not (the density report says)
+    sparse_embeddings = [dataclasses.replace(outcome, weight=by_graph_name[outcome.weight])
+                         for outcome in drop_padding_rows(exported, weights)] if settings.embedding_sparsity else []
+    widened = device_type == "cpu" and low_precision_in_fp32(exported)
+    inputs_requiring_grad = [i.name for i in exported.graph.input
+                             if needs_grad and i.name in values and values[i.name].requires_grad]
+    if compute_dtype is not None:
+        lower_precision(exported, compute_dtype, device_type=device_type,
+                        differentiable=trainable + inputs_requiring_grad)
+        lowered = {name: str(dtype).removeprefix("torch.") for name, dtype in zip(outputs, schema.dtypes)
+                   if dtype in (torch.float16, torch.bfloat16)}
+        cast_outputs(exported, lowered)
+    aliases = (prepare_for_gradient(exported, trainable, inputs_requiring_grad) if needs_grad
+               else padding_rows_without_gradient(exported, ()))
+    known = set(weights) | set(aliases)
+    user = [i.name for i in exported.graph.input if i.name not in known]  # unused inputs are not graph inputs
+    requiring_grad = [name for name in user if needs_grad and values[name].requires_grad]
+    built = build_module_graph(
+        exported, weights + aliases, trainable, requiring_grad, outputs, schema.shapes, trains=needs_grad,
+        severity=settings.ort_severity, compute_optimizer=settings.compute_optimizer,
+        propagate_casts=compute_dtype is None and not widened,
+        pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
+        log=lambda message: _info(settings, message))
+    model_proto = built.model
+    recomputed = needs_grad and recompute_in_backward(model_proto, built.forward,
+                                                      module_groups(model, settings.layer_recompute))
+    if recomputed:
+        _info(settings, "%d nodes recomputed in the backward (checkpointed segments%s)", recomputed,
+              ", layers" if settings.layer_recompute else "")
+    describe_outputs(model_proto, outputs, schema.dtypes, schema.shapes)
+    statistics.describe(model_proto)
+    substitute = kernel_substitutions(sessions.placement.ort_device)
+    if substitute is not None:
+        # each rewrite finds its nodes in either kind
+        substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
+    graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
+    reaching = read_by_backward = None
+    read_again, in_place = [], weights + aliases  # weights given to the backward again; weights read in place
+    if needs_grad:
+        reaching = outputs_reaching(model_proto, graph_outputs, outputs)
+        read_by_backward = outputs_read_by_backward(model_proto, outputs)
+        read_again, in_place = weights_read_in_backward(model_proto, weights + aliases)
+        forward_outputs_as_graph_outputs(model_proto, outputs + statistics.outputs)
+    _save(settings, model_proto, "optimized", training=needs_grad)
+    sources = {**{name: (Source.CALL, name) for name in user},
+               **{name: (Source.WEIGHT, by_graph_name[name]) for name in weights},
+               **{name: (Source.WEIGHT_WITHOUT_GRADIENT, by_graph_name[name[:-len(NO_GRADIENT_SUFFIX)]])
+                  for name in aliases}}
+    inputs = [i.name for i in model_proto.graph.input]
+    slots = {name: index for index, name in enumerate(built.differentiated)}
+    movable = set(weights + aliases) - set(in_place)  # weights whose memory may move before the backward
+    return GraphParts(model=model_proto, trains=needs_grad, schema=schema, density_inputs=density,
+                      statistics=(statistics.modules, statistics.outputs),
+                      non_differentiable=built.non_differentiable, full_shape_grads=built.full_shape_grads,
+                      reaching=reaching, read_by_backward=read_by_backward, recomputed=int(recomputed),
+                      sources=[sources[name] for name in inputs], gradient_slots=[slots.get(name) for name in inputs],
+                      fetched=graph_outputs, sparse_embeddings=sparse_embeddings,
+                      forward_outputs=len(outputs) + len(statistics.outputs),
+                      read_again=[inputs.index(name) for name in read_again],
+                      read_in_place=[index for index, name in enumerate(inputs) if name not in movable])
+
+
 class ModuleGraph:
-    """The compiled graph of one input signature (see the module docstring) and how to feed it.
+    """The compiled graph of one input signature (see the module docstring) and how to feed it:
+    the `GraphParts` of a compile (`compile_parts`) or of the cache on disk, and its runner.
+    `sessions`: the placement's `Sessions`; `settings`: the ORTModule's settings."""
 
-    `schema`: the OutputSchema of forward()'s result. `trains`: a graph with a backward (the call
-    needs gradients). `sessions`: the placement's `Sessions`; `settings`: the ORTModule's settings.
-    `compute_dtype`: 'float16' or 'bfloat16' for a call under torch.autocast (`_graph.autocast`:
-    the products in that type, the outputs in the types the model returns under autocast)."""
-
-    def __init__(self, model, binding, values, schema, sessions, settings, needs_grad, *, compute_dtype=None):
-        self.schema, self.trains = schema, needs_grad
-        started = time.perf_counter()
-        outputs = output_names(schema)
-        device_type = sessions.placement.ort_device
-        with torch.autocast(device_type, enabled=False):  # the graph's own casts follow (`_graph.autocast`)
-            exported = export_training_model(model, None, binding, outputs, values, settings.opset)
-        _save(settings, exported, "torch_exported", training=needs_grad)
-        self.density_inputs = density_inputs(exported)  # before the fixes drop the padding marker
-        self.batch_statistics = BatchStatistics(model)  # training-mode BatchNorms: batch statistics as outputs
-        self.batch_statistics.rewrite(exported)
-        by_graph_name = {graph_name(name): name for name, _ in (*model.named_parameters(), *model.named_buffers())}
-        weights = [i.name for i in exported.graph.initializer if i.name in by_graph_name]
-        parameters = dict(model.named_parameters())
-        trainable = [name for name in weights if needs_grad and by_graph_name[name] in parameters
-                     and parameters[by_graph_name[name]].requires_grad]
-        weights_as_inputs(exported, weights)
-        declare_torch_node_outputs(exported)
-        if settings.label_sparsity:  # where forward() returns the loss without the logits
-            gather_labelled_rows(exported, outputs)
-        # per embedding with a padding_idx: made sparse, or why not (the density report says)
-        self.sparse_embeddings = [dataclasses.replace(outcome, weight=by_graph_name[outcome.weight])
-                                  for outcome in drop_padding_rows(exported, weights)] if settings.embedding_sparsity else []
-        widened = device_type == "cpu" and low_precision_in_fp32(exported)
-        inputs_requiring_grad = [i.name for i in exported.graph.input
-                                 if needs_grad and i.name in values and values[i.name].requires_grad]
-        if compute_dtype is not None:
-            lower_precision(exported, compute_dtype, device_type=device_type,
-                            differentiable=trainable + inputs_requiring_grad)
-            lowered = {name: str(dtype).removeprefix("torch.") for name, dtype in zip(outputs, schema.dtypes)
-                       if dtype in (torch.float16, torch.bfloat16)}
-            cast_outputs(exported, lowered)
-        aliases = (prepare_for_gradient(exported, trainable, inputs_requiring_grad) if needs_grad
-                   else padding_rows_without_gradient(exported, ()))
-        known = set(weights) | set(aliases)
-        user = [i.name for i in exported.graph.input if i.name not in known]  # unused inputs are not graph inputs
-        requiring_grad = [name for name in user if needs_grad and values[name].requires_grad]
-        built = build_module_graph(
-            exported, weights + aliases, trainable, requiring_grad, outputs, schema.shapes, trains=needs_grad,
-            severity=settings.ort_severity, compute_optimizer=settings.compute_optimizer,
-            propagate_casts=compute_dtype is None and not widened,
-            pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
-            log=lambda message: _info(settings, message))
-        model_proto = built.model
-        recomputed = needs_grad and recompute_in_backward(model_proto, built.forward,
-                                                          module_groups(model, settings.layer_recompute))
-        if recomputed:
-            _info(settings, "%d nodes recomputed in the backward (checkpointed segments%s)", recomputed,
-                  ", layers" if settings.layer_recompute else "")
-        self.non_differentiable, self.full_shape_grads = built.non_differentiable, built.full_shape_grads
-        describe_outputs(model_proto, outputs, schema.dtypes, schema.shapes)
-        self.batch_statistics.describe(model_proto)
-        substitute = kernel_substitutions(sessions.placement.ort_device)
-        if substitute is not None:
-            # each rewrite finds its nodes in either kind
-            substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
-        graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
-        self._forward_outputs = len(outputs) + len(self.batch_statistics.outputs)
-        read_again, in_place = [], weights + aliases  # weights given to the backward again; weights read in place
-        if needs_grad:
-            self._reaching = outputs_reaching(model_proto, graph_outputs, outputs)
-            self.read_by_backward = outputs_read_by_backward(model_proto, outputs)
-            read_again, in_place = weights_read_in_backward(model_proto, weights + aliases)
-            forward_outputs_as_graph_outputs(model_proto, outputs + self.batch_statistics.outputs)
-        _save(settings, model_proto, "optimized", training=needs_grad)
+    def __init__(self, model, parts, sessions, settings):
+        self.parts = parts if settings.cache_directory is not None else None  # to be stored on disk
+        self.schema, self.trains = parts.schema, parts.trains
+        self.density_inputs, self.sparse_embeddings = parts.density_inputs, parts.sparse_embeddings
+        self.batch_statistics = BatchStatistics.restored(model, *parts.statistics)
+        self.non_differentiable, self.full_shape_grads = parts.non_differentiable, parts.full_shape_grads
+        self._reaching, self.read_by_backward = parts.reaching, parts.read_by_backward
+        model_proto = parts.model
         # ORTMODULE_PRINT_MEMORY_STATS=1: the largest tensors, the first forward's and backward's peaks
         self._memory_stats = largest_tensors(model_proto, _LARGEST) if settings.memory_stats else None
         self._measured, self._model_name = set(), type(model).__name__
         self._zero_gradients = {}  # (output, shape, dtype, device) -> zeros (`zero_gradient`)
         inputs = [i.name for i in model_proto.graph.input]
         self._runner = ModuleRunner(
-            sessions, model_proto.SerializeToString(), inputs, graph_outputs,
-            self._forward_outputs + len(read_again), trains=needs_grad,
+            sessions, model_proto.SerializeToString(), inputs, parts.fetched,
+            parts.forward_outputs + len(parts.read_again), trains=parts.trains,
             draws_random_numbers=draws_random_numbers(model_proto),
-            optimized_model_path=_path(settings, "execution_model", training=needs_grad),
-            priority_order=bool(recomputed))
-        sources = {**{name: (Source.CALL, name) for name in user},
-                   **{name: (Source.WEIGHT, by_graph_name[name]) for name in weights},
-                   **{name: (Source.WEIGHT_WITHOUT_GRADIENT, by_graph_name[name[:-len(NO_GRADIENT_SUFFIX)]])
-                      for name in aliases}}
-        self._sources = [sources[name] for name in inputs]
-        self.read_again = [inputs.index(name) for name in read_again]  # feeds the backward takes again
-        movable = set(weights + aliases) - set(in_place)  # weights whose memory may move before the backward
-        self.read_in_place = [index for index, name in enumerate(inputs) if name not in movable]
+            optimized_model_path=_path(settings, "execution_model", training=parts.trains),
+            priority_order=bool(parts.recomputed))
+        self._sources = parts.sources
         self.feed_names = [key for _, key in self._sources]  # the call's input or the model's tensor, per feed
-        slots = {name: index for index, name in enumerate(built.differentiated)}
-        self.gradient_slots = [slots.get(name) for name in inputs]  # each feed's backward output
-        _info(settings, "compiled the %s graph of %s for inputs %s in %.2f s", self.kind, type(model).__name__,
+        self.gradient_slots = parts.gradient_slots  # each feed's backward output
+        self._forward_outputs, self.read_again = parts.forward_outputs, parts.read_again
+        self.read_in_place = parts.read_in_place
+
+    @classmethod
+    def compiled(cls, model, binding, values, schema, sessions, settings, needs_grad, *, compute_dtype=None):
+        """The graph of one signature, compiled (`compile_parts`)."""
+        started = time.perf_counter()
+        graph = cls(model, compile_parts(model, binding, values, schema, sessions, settings, needs_grad,
+                                         compute_dtype=compute_dtype), sessions, settings)
+        user = [key for source, key in graph._sources if source is Source.CALL]
+        _info(settings, "compiled the %s graph of %s for inputs %s in %.2f s", graph.kind, type(model).__name__,
               {name: list(values[name].shape) for name in user}, time.perf_counter() - started)
         for name, value in binding.constant_keywords.items():  # the original's line for each
             if isinstance(value, str):
                 _info(settings, "Received input of type %s is treated as a constant by ORT by default. (argument "
                       "%r: the graph has its value %r; another value compiles another graph)", type(value), name, value)
+        return graph
 
     @property
     def kind(self):

@@ -2,17 +2,23 @@
 `CompiledGraph` (training and eval sessions on the flat buffers). The probe and the trace (or a
 graph re-derived from an earlier trace), ORT's gradient builder and the graph fixes, the sessions,
 and the proof of a re-derived graph against torch at its shape."""
+import logging
 from dataclasses import dataclass
 
 import onnx
 
 from .._export.batch_norm import sync_batch_norm_refused
+from .._export.fingerprint import NotPortable, model_fingerprint
+from .._export.trace import graph_name
 from .._graph.batch_norm import BatchStatistics, running_statistics
 from .._graph.recompute import has_copies
 from .._graph.training_graphs import LOSS_SCALE_INPUT, build_graphs, draws_random_numbers
 from .._runtime.compiled_graph import CompiledGraph, WeightBindings
 from .._runtime.session_config import save_graphs
+from .disk_cache import DiskCache, machine
 from .exports import eval_graph_differs
+
+LOGGER = logging.getLogger("ort_trainer.cache")
 
 _SYNC_BATCH_NORM_REMEDY = ("convert them to BatchNorm: each rank then normalizes with the statistics of its own "
                            "batch, as DistributedDataParallel with nn.BatchNorm*d does; or put them in eval mode")
@@ -25,7 +31,9 @@ class StepSettings:
     against torch; loss_scaling: the training graph's loss is multiplied by a loss-scale input;
     compute_dtype: 'float16' or 'bfloat16' for mixed precision (`_graph.autocast`), None: fp32;
     label_sparsity: the loss's projection on the rows whose label counts (`_graph.label_sparsity`);
-    embedding_sparsity: per-token layers on the non-padding rows (`_graph.embedding_sparsity`)."""
+    embedding_sparsity: per-token layers on the non-padding rows (`_graph.embedding_sparsity`);
+    opset, frozen_weights: the export's opset and `utils.frozen_weights`; cache_directory:
+    `utils.graph_cache_dir` (None: no cache on disk)."""
 
     recompute: object = None
     shape_inference: bool = False
@@ -35,21 +43,52 @@ class StepSettings:
     compute_dtype: str = None
     label_sparsity: bool = False
     embedding_sparsity: bool = False
+    opset: int = 14
+    frozen_weights: tuple = ()
+    cache_directory: str = None
+
+    def changing_the_graph(self):
+        """The settings a graph is built from (part of its key in the cache on disk)."""
+        recompute = None if self.recompute is None else sorted((k, repr(v)) for k, v in vars(self.recompute).items())
+        return [recompute, self.shape_inference, self.loss_scaling, self.compute_dtype, self.label_sparsity,
+                self.embedding_sparsity, self.opset, list(self.frozen_weights)]
 
 
 @dataclass(frozen=True)
 class Export:
     """One export: the ONNX model, whether it was re-derived from an earlier trace (to be proven
-    before use), and the model state it was traced in (`_export.guards.ModuleState.read()`)."""
+    before use), the model state it was traced in (`_export.guards.ModuleState.read()`), the names
+    the graph may read as a weight (its initializers and inputs). From the cache on disk: no model,
+    the built graphs (`cached`). `disk_key`: the graph's key there (None: not cached)."""
 
     model: onnx.ModelProto
     unproven: bool
     model_state: tuple
+    weight_names: frozenset
+    cached: "StepParts" = None
+    disk_key: object = None
 
-    @property
-    def weight_names(self):
-        """Names of the initializers and graph inputs: what the graph may read as a weight."""
-        return {i.name for i in self.model.graph.initializer} | {i.name for i in self.model.graph.input}
+
+@dataclass(frozen=True)
+class StepParts:
+    """What building an export made that running it needs (and the cache on disk keeps): the
+    serialized training and eval graphs, the running statistics they read (graph names), the
+    BatchStatistics' (modules, outputs), whether the training graph runs in priority order."""
+
+    training: bytes
+    evaluation: bytes
+    running: tuple
+    statistics: tuple
+    priority_order: bool
+
+    def encoded(self):
+        return ({"running": list(self.running), "statistics": [list(s) for s in self.statistics],
+                 "priority_order": self.priority_order}, {"training": self.training, "evaluation": self.evaluation})
+
+    @classmethod
+    def decoded(cls, meta, blobs):
+        return cls(training=blobs["training"], evaluation=blobs["evaluation"], running=tuple(meta["running"]),
+                   statistics=tuple(tuple(s) for s in meta["statistics"]), priority_order=bool(meta["priority_order"]))
 
 
 class StepCompiler:
@@ -60,37 +99,60 @@ class StepCompiler:
     def __init__(self, model, loss_fn, binding, desc, *, exports, state, sessions, settings):
         self._model, self._loss_fn, self._binding, self._desc = model, loss_fn, binding, desc
         self._exports, self._state, self._sessions, self._settings = exports, state, sessions, settings
+        self._disk = None if settings.cache_directory is None else DiskCache(settings.cache_directory)
+        self._said_not_cached = False
 
-    def export(self, values):
-        """The probe, then the trace of these inputs (or a graph re-derived from an earlier trace).
+    def export(self, values, outputs):
+        """The probe, then the trace of these inputs (or a graph re-derived from an earlier trace),
+        unless the cache on disk holds the graphs of this export (`_compile.disk_cache`; no probe).
         Attributes the probe saw forward() write are left out of the model state from then on."""
         refused = sync_batch_norm_refused(self._model, _SYNC_BATCH_NORM_REMEDY)
         if refused is not None:
             raise refused
+        key = self._disk_key(values, outputs)
+        entry = self._disk.load(key) if key is not None else None
+        if entry is not None:
+            try:
+                meta, blobs = entry
+                parts, names = StepParts.decoded(meta["parts"], blobs), frozenset(meta["weight_names"])
+                self._state.forgets_written(meta["written"])
+            except Exception as error:  # not what `build` wrote: compiled again
+                self._disk.discard(key, f"{type(error).__name__}: {error}")
+            else:
+                return Export(None, False, self._state.read(), names, cached=parts, disk_key=key)
         before = self._state.read()
         self._exports.check(values, self._desc)
         self._state.forgets(before, self._state.read())
         model_state = self._state.read()
         model, unproven = self._exports.get(values, model_state)
-        return Export(model, unproven, model_state)
+        names = frozenset(i.name for i in (*model.graph.initializer, *model.graph.input))
+        return Export(model, unproven, model_state, names, disk_key=key)
 
     def build(self, export, values, outputs, *, flat, frozen, loss_scale=None):
         """The CompiledGraph of an export (consumed) on the flat buffers `flat`, reading `frozen`
         ({graph name: tensor}) as it is and `loss_scale` (an array) as the loss-scale input.
 
         A re-derived graph is first proven against torch at this shape; one that fails to build
-        or to match is traced again. With debug.check_model_export every graph is proven."""
+        or to match is traced again. With debug.check_model_export every graph is proven (one
+        from the cache on disk too; otherwise it needs no proof: it is what the same trace gave)."""
         weights = (flat, frozen, loss_scale)
-        graph = self._proven_or_none(export, values, outputs, weights) if export.unproven else \
-            self._build(export.model, values, outputs, export.model_state, weights)
-        if graph is None:
+        if export.cached is not None:
+            built = export.cached, self._graph_of(export.cached, values, outputs, export.model_state, weights)
+        elif export.unproven:
+            built = self._proven_or_none(export, values, outputs, weights)
+        else:
+            built = self._build(export.model, values, outputs, export.model_state, weights)
+        if built is None:
             self._exports.reject(values, export.model_state)
             traced = self._exports.get(values, export.model_state)[0]
-            graph = self._build(traced, values, outputs, export.model_state, weights)
+            built = self._build(traced, values, outputs, export.model_state, weights)
+        parts, graph = built
         if self._settings.check_model_export:
             difference = self.differs_from_torch(graph, values, outputs)
             if difference is not None:
                 raise RuntimeError(f"debug.check_model_export: {difference}")
+        if export.cached is None and export.disk_key is not None:
+            self._store(export, parts, graph)
         return graph
 
     def with_weights(self, values):
@@ -104,17 +166,17 @@ class StepCompiler:
                                   compute_dtype=self._settings.compute_dtype)
 
     def _proven_or_none(self, export, values, outputs, weights):
-        """The graph re-derived for a new shape, if it builds and its eval graph matches torch's
+        """(parts, graph) re-derived for a new shape, if it builds and its eval graph matches torch's
         forward there; None otherwise (e.g. a size the first trace saw as 1 was specialized)."""
         try:
-            graph = self._build(export.model, values, outputs, export.model_state, weights)
+            parts, graph = self._build(export.model, values, outputs, export.model_state, weights)
         except Exception:  # ORT rejects the graph at this shape: tracing it again decides
             return None
-        return graph if self.differs_from_torch(graph, values, outputs) is None else None
+        return (parts, graph) if self.differs_from_torch(graph, values, outputs) is None else None
 
     def _build(self, exported, values, outputs, model_state, weights):
-        """Training and eval graphs from an export (consumed), on the flat buffers."""
-        flat, frozen, loss_scale = weights
+        """(StepParts, CompiledGraph): training and eval graphs from an export (consumed), on the flat buffers."""
+        flat, frozen, _ = weights
         settings, paths = self._settings, self._settings.graph_save_paths
         save_graphs(paths, exported=exported)
         running, statistics = running_statistics(exported, self._model), BatchStatistics(self._model)
@@ -127,10 +189,49 @@ class StepCompiler:
             embedding_sparsity=settings.embedding_sparsity)
         save_graphs(paths, training=training, evaluation=evaluation, session_options=self._sessions.session_options(),
                     providers=self._sessions.providers)
+        parts = StepParts(training, evaluation, tuple(running), (tuple(statistics.modules), tuple(statistics.outputs)),
+                          has_copies(onnx.load_from_string(training)))
+        return parts, self._graph_of(parts, values, outputs, model_state, weights)
+
+    def _graph_of(self, parts, values, outputs, model_state, weights):
+        """The CompiledGraph of built graphs, on the flat buffers."""
+        flat, frozen, loss_scale = weights
+        buffers = {graph_name(name): buffer for name, buffer in self._model.named_buffers()}
+        running = {name: buffers[name] for name in parts.running}
+        statistics = BatchStatistics.restored(self._model, *parts.statistics)
         present = [name for name, value in values.items() if value is not None]
-        feeds = {LOSS_SCALE_INPUT: loss_scale} if settings.loss_scaling else None
-        training_model = onnx.load_from_string(training)
-        return CompiledGraph(training, evaluation, self._sessions, WeightBindings(flat, {**frozen, **running}, feeds),
-                             present, outputs, model_state=model_state, batch_statistics=statistics,
-                             draws_random_numbers=draws_random_numbers(training_model),
-                             priority_order=has_copies(training_model))
+        feeds = {LOSS_SCALE_INPUT: loss_scale} if self._settings.loss_scaling else None
+        return CompiledGraph(parts.training, parts.evaluation, self._sessions,
+                             WeightBindings(flat, {**frozen, **running}, feeds), present, outputs,
+                             model_state=model_state, batch_statistics=statistics,
+                             draws_random_numbers=draws_random_numbers(onnx.load_from_string(parts.training)),
+                             priority_order=parts.priority_order)
+
+    def _disk_key(self, values, outputs):
+        """The key of this export's graphs in the cache on disk, or None (no cache, an ONNX model,
+        a model the fingerprint cannot describe: said once)."""
+        if self._disk is None:
+            return None
+        try:
+            model = model_fingerprint(self._model, self._state.written, self._loss_fn)
+        except NotPortable as error:
+            self._not_cached(error)
+            return None
+        inputs = [[name, None] if value is None else [name, list(value.shape), str(value.dtype), str(value.device)]
+                  for name, value in values.items()]
+        return {"front": "ORTTrainer", "model": model, "inputs": inputs, "outputs": list(outputs),
+                "model_desc": repr(self._desc), "settings": self._settings.changing_the_graph(),
+                "machine": machine(self._sessions)}
+
+    def _store(self, export, parts, graph):
+        if graph.runs_autograd_functions:
+            self._not_cached("its graph runs custom autograd.Functions, which only this process can call")
+            return
+        meta, blobs = parts.encoded()
+        self._disk.store(export.disk_key, {"parts": meta, "weight_names": sorted(export.weight_names),
+                                           "written": self._state.written}, blobs)
+
+    def _not_cached(self, why):
+        if not self._said_not_cached:
+            self._said_not_cached = True
+            LOGGER.warning("ORTTrainer: the graphs of %s are not cached on disk: %s", type(self._model).__name__, why)

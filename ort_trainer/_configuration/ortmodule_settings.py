@@ -10,7 +10,8 @@ on: `_graph.embedding_sparsity`), ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT (1: 
 autograd.Functions is refused, so it runs in PyTorch), ORTMODULE_MEMORY_OPT_LEVEL (0, or 1: the
 model's layers recomputed in the backward, `_graph.recompute.module_groups`; 2 refused),
 ORTMODULE_PRINT_INPUT_DENSITY (1: `ortmodule._density`'s report), ORTMODULE_PRINT_MEMORY_STATS (1: each
-graph's largest tensors and first forward's and backward's peak memory, logged). The others
+graph's largest tensors and first forward's and backward's peak memory, logged), ORTMODULE_CACHE_DIR (the
+exported-model cache on disk, `_compile.module_cache`; a directory that cannot be written is refused). The others
 of the original are accepted at the value that matches what this ORTModule does and refused, by
 name, at any value that asks for a feature it lacks (`_REFUSED`); other `ORTMODULE_*` variables get
 a warning that they are not read.
@@ -19,6 +20,8 @@ import enum
 import os
 import warnings
 from dataclasses import dataclass
+
+from .validation import directory_problem
 
 _OPSETS = range(14, 18)  # those our symbolics and graph fixes are tested on (ORTTrainer's range)
 DEFAULT_OPSET = 14
@@ -36,8 +39,8 @@ _REFUSED = {
 }
 _READ = {"ORTMODULE_ONNX_OPSET_VERSION", "ORTMODULE_FALLBACK_POLICY", "ORTMODULE_LOG_LEVEL",
          "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER",
-         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_PRINT_INPUT_DENSITY",
-         "ORTMODULE_PRINT_MEMORY_STATS",
+         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT",
+         "ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_PRINT_INPUT_DENSITY", "ORTMODULE_PRINT_MEMORY_STATS", "ORTMODULE_CACHE_DIR",
          *_REFUSED}
 
 
@@ -115,6 +118,7 @@ class Settings:
     layer_recompute: bool  # ORTMODULE_MEMORY_OPT_LEVEL=1
     input_density: bool  # ORTMODULE_PRINT_INPUT_DENSITY=1: `ortmodule._density`
     memory_stats: bool  # ORTMODULE_PRINT_MEMORY_STATS=1: `_compile.module_graph`
+    cache_directory: str | None = None  # ORTMODULE_CACHE_DIR: `_compile.module_cache`; None: no cache
 
     @property
     def ort_severity(self):
@@ -161,7 +165,20 @@ def settings(debug_options, environ=os.environ):
                     save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix,
                     layer_recompute=_memory_opt_level(environ) == 1,
                     input_density=_flag(environ, "ORTMODULE_PRINT_INPUT_DENSITY", default="0"),
-                    memory_stats=_flag(environ, "ORTMODULE_PRINT_MEMORY_STATS", default="0"))
+                    memory_stats=_flag(environ, "ORTMODULE_PRINT_MEMORY_STATS", default="0"),
+                    cache_directory=_cache_directory(environ))
+
+
+def _cache_directory(environ):
+    """ORTMODULE_CACHE_DIR: a directory the cache can write (created on the first write), or None."""
+    value = environ.get("ORTMODULE_CACHE_DIR")
+    if not value:
+        return None
+    problem = directory_problem(value)
+    if problem is not None:
+        raise ValueError(f"ORTMODULE_CACHE_DIR={value!r} must be a directory ORTModule can write its graph cache to "
+                         f"(it is created if missing): {problem}")
+    return os.path.abspath(value)
 
 
 def _log_level(environ, default):

@@ -36,6 +36,19 @@ def load_schema(name: str) -> dict:
     return copy.deepcopy(_read_schema(name))
 
 
+def directory_problem(path):
+    """Why `path` cannot hold the cache (None when it can): an existing writable directory, or a
+    path whose nearest existing parent is a writable directory (the cache creates it)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing!r} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing!r} is not writable"
+    return None
+
+
 @runtime_checkable
 class _LRSchedulerLike(Protocol):
     def get_lr(self, train_step_info): ...
@@ -145,6 +158,13 @@ class Validator(cerberus.Validator):
         """A path a graph is written to: '' (not written) or a file, not a directory."""
         if value and (value.endswith(("/", os.sep)) or os.path.isdir(value)):
             self._error(field, f"must be a file path, got {_show(value)} (a directory)")
+
+    def _check_with_cache_directory(self, field, value):
+        """'' (no cache) or a directory the graph cache can write to (created if missing)."""
+        problem = directory_problem(value) if value else None
+        if problem is not None:
+            self._error(field, f"must be a directory the graph cache can write to (created if missing), got "
+                               f"{_show(value)}: {problem}")
 
     def _check_with_provider_options(self, field, value):
         """A provider of ``provider_options`` (``field``, its options ``value``) must be one the trainer

@@ -19,7 +19,7 @@ import torch
 
 _MODULE_MACHINERY = frozenset(vars(torch.nn.Module()))  # tables, hook dicts, the train/eval flag
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, f"_global{name}") for name in _HOOKS)
+GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, f"_global{name}") for name in _HOOKS)
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 _MAX_ITEMS = 64  # a longer list or dict is compared by identity
 
@@ -44,15 +44,22 @@ class ModuleState:
         # an in-place change)
         objects = {id(tensor): ("weight", id(tensor)) for tensor in (*self._model.parameters(), *self._model.buffers())}
         flags = []
-        attributes = [tuple(tuple(hooks) for hooks in _GLOBAL_HOOKS)]
+        attributes = [tuple(tuple(hooks) for hooks in GLOBAL_HOOKS)]
         for index, module in enumerate(self._model.modules()):
-            own = module.__dict__
-            flags.append(own["training"])
-            hooks = tuple((name, tuple(own[name])) for name in _HOOKS if own.get(name))
-            plain = tuple((name, _frozen(own[name], objects)) for name in sorted(own.keys() - _MODULE_MACHINERY)
-                          if (index, name) not in self._written)
-            attributes.append((hooks, plain))
+            flags.append(module.training)
+            hooks, plain = module_attributes(module, {name for i, name in self._written if i == index})
+            attributes.append((tuple((name, tuple(table)) for name, table in hooks),
+                               tuple((name, _frozen(value, objects)) for name, value in plain)))
         return tuple(flags), tuple(attributes)
+
+    @property
+    def written(self):
+        """The (module index, attribute name) pairs left out (`forgets`), sorted."""
+        return sorted(self._written)
+
+    def forgets_written(self, written):
+        """Leaves out the attributes `written` names (pairs as `written` gives them), from now on."""
+        self._written.update((int(index), str(name)) for index, name in written)
 
     def forgets(self, before, after):
         """Leaves out, from now on, the attributes that changed between two `read()`s, before and
@@ -62,6 +69,15 @@ class ModuleState:
                 old, new = dict(old), dict(new)
                 self._written.update((index, name) for name in old.keys() | new.keys()
                                      if old.get(name) != new.get(name))
+
+
+def module_attributes(module, written=frozenset()):
+    """(hooks, plain attributes) of one module, what a trace may read besides its weights:
+    [(hook table name, its OrderedDict)] for the tables that hold hooks, [(name, value)] of its
+    own attributes other than nn.Module's machinery and the names in `written`, sorted."""
+    own = module.__dict__
+    hooks = [(name, own[name]) for name in _HOOKS if own.get(name)]
+    return hooks, [(name, own[name]) for name in sorted(own.keys() - _MODULE_MACHINERY) if name not in written]
 
 
 def _frozen(value, objects, depth=0):

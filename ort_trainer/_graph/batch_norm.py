@@ -88,6 +88,13 @@ class BatchStatistics:
         _remove(onnx_model.graph.input, unread)
         _remove(onnx_model.graph.initializer, unread)
 
+    @classmethod
+    def restored(cls, model, modules, outputs):
+        """The statistics of a graph rewritten in another process (`modules`, `outputs` as it had them)."""
+        statistics = cls(model)
+        statistics.modules, statistics.outputs = list(modules), list(outputs)
+        return statistics
+
     def describe(self, onnx_model):
         """Adds the type and shape of the statistics to a graph built from the rewritten one (in
         place), where it lacks them (ORTModule's training graph, where they feed the YieldOp)."""

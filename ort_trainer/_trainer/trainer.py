@@ -108,7 +108,11 @@ class ORTTrainer:
                                 check_model_export=options.debug.check_model_export,
                                 loss_scaling=self._loss_scaler is not None, compute_dtype=precision.compute_dtype,
                                 label_sparsity=options.graph_transformer.label_sparsity,
-                                embedding_sparsity=options.graph_transformer.embedding_sparsity)
+                                embedding_sparsity=options.graph_transformer.embedding_sparsity,
+                                opset=options._internal_use.onnx_opset_version,
+                                frozen_weights=tuple(options.utils.frozen_weights),
+                                cache_directory=(options.utils.graph_cache_dir or None) if self._onnx_model is None
+                                else None)
         self._compiler = StepCompiler(model, loss_fn, self._binding, desc, exports=exports, state=self._state,
                                       sessions=self._sessions, settings=settings)
         self._sample_inputs = None  # the first compiled batch: the export sample of export_onnx/save_as_onnx
@@ -335,7 +339,7 @@ class ORTTrainer:
     def _compile(self, values, outputs):
         """Export (or re-derive), lay out the flat buffers and the optimizer on the first compile,
         build (`_compile.step_graphs`)."""
-        export = self._compiler.export(values)
+        export = self._compiler.export(values, outputs)
         if self._weights.flat is None:
             self._weights.lay_out(export.weight_names, self._placement, self._distributed)
         else:

@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from .._compile.cache import GraphCache
+from .._compile.module_cache import ModuleGraphCache
 from .._compile.module_graph import ModuleGraph
 from .._configuration.ortmodule_settings import FallbackPolicy, settings
 from .._configuration.runtime_settings import RuntimeSettings
@@ -33,7 +34,7 @@ from ._graph_function import _GraphFunction
 
 MAX_CACHED_GRAPHS = 8  # as ORTTrainer's utils.max_cached_graphs default
 _SHARED_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
-_OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state", "_density",
+_OWN = frozenset(("training", "_original_module", "_settings", "_graphs", "_sessions", "_state", "_density", "_disk",
                   "forward",  # a forward set on the wrapper (accelerate's autocast) is the wrapper's
                   "__class__"))  # so is a class swapped in (FSDP2's fully_shard)
 _PYTORCH = "run the PyTorch model"  # a signature whose graph could not be compiled (fallback)
@@ -96,6 +97,7 @@ class ORTModule(torch.nn.Module):
         self._sessions = {}  # torch device -> the Sessions of its Placement
         self._state = ModuleState(module)
         self._density = DensityReport()  # ORTMODULE_PRINT_INPUT_DENSITY=1
+        self._disk = ModuleGraphCache(own_settings.cache_directory)  # ORTMODULE_CACHE_DIR
         self.training = module.training
 
     @property
@@ -223,6 +225,9 @@ class ORTModule(torch.nn.Module):
         """The graph of a new signature, or _PYTORCH when it cannot be compiled and the fallback
         policy allows it. The model's own errors (its forward fails in PyTorch) propagate."""
         model = self._original_module
+        disk_key, graph = self._from_disk(binding, values, named, needs_grad)
+        if graph is not None:  # a graph on disk (ORTMODULE_CACHE_DIR): no probe, no compile
+            return graph
         before = self._state.read()
         output, changed = probe_call(model, binding, values, grad=needs_grad)
         self._state.forgets(before, self._state.read())
@@ -233,8 +238,7 @@ class ORTModule(torch.nn.Module):
             functions = custom_functions(tensors, values.values())
             del output, tensors  # and the autograd graph of the probe
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
-            synchronized = sync_batch_norm_refused(model, "it runs in PyTorch under the default fallback policy")
-            if synchronized is not None:
+            if (synchronized := sync_batch_norm_refused(model, "it runs in PyTorch under the default fallback policy")):
                 raise synchronized
             changed = untracked_changes(model, changed)  # BatchNorm running statistics: updated after each call
             if changed:
@@ -243,15 +247,16 @@ class ORTModule(torch.nn.Module):
             if functions and not self._settings.custom_functions:
                 raise custom_functions_refused(functions, "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1: they run in "
                                                "PyTorch under the default fallback policy")
-            layerdrop = layerdrop_refused(model)
-            if layerdrop is not None:
+            if (layerdrop := layerdrop_refused(model)) is not None:
                 raise layerdrop
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
             sessions = self._sessions_of(values, named)
             compute_dtype = _compute_dtype(sessions.placement.ort_device)
             kind = FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
-            return ModuleGraph(model, binding, values, schema, sessions, self._settings, needs_grad,
-                               compute_dtype=compute_dtype)
+            graph = ModuleGraph.compiled(model, binding, values, schema, sessions, self._settings, needs_grad,
+                                         compute_dtype=compute_dtype)
+            self._disk.store(disk_key, graph, model, self._state)
+            return graph
         except Exception as error:
             if isinstance(error, DataDependentTraceError):
                 kind = FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
@@ -259,6 +264,17 @@ class ORTModule(torch.nn.Module):
                 raise
             self._warn(kind, error)
             return _PYTORCH
+
+    def _from_disk(self, binding, values, named, needs_grad):
+        """(the key of this signature's graph in the cache on disk, the graph found there or None);
+        (None, None) without a cache or on a device ONNX Runtime lacks (the compile says why)."""
+        if self._settings.cache_directory is None or not {
+                t.device.type for t in (*named.values(), *values.values())} <= {"cpu", "cuda"}:
+            return None, None
+        sessions = self._sessions_of(values, named)
+        key = self._disk.key(self._original_module, self._state, binding, values, self._settings, sessions,
+                             needs_grad=needs_grad, autocast=_autocast())
+        return key, self._disk.load(key, self._original_module, self._state, sessions, self._settings)
 
     def _sessions_of(self, values, named):
         """The Sessions of the device the model and inputs are on (one per device)."""
