@@ -4,6 +4,7 @@ as ORTMODULE_FALLBACK_POLICY says, and refuses bad options by name."""
 import contextlib
 import copy
 import json
+import logging
 import os
 import pickle
 import re
@@ -508,6 +509,21 @@ def test_fallback_runs_pytorch_with_a_warning_naming_the_cause():
                                          r"forward\(x, scale=2.0, tag=None\) are constants of the call that cannot be "
                                          r"compared with those of other calls \(unhashable\)"):
         assert ORTModule(Structured())(x, tag=["a"])["nothing"] == ["a"]
+
+
+def test_the_exporters_graph_dump_goes_to_the_debug_log_not_stdout(capfd, caplog):
+    """torch 2.13's exporter turns its log on for every export (and leaves it on), so a failing
+    export printed the whole graph ("Torch IR graph at exception: ...") on stdout, twice with
+    ORTTrainer's dynamic dims: it goes to the `ort_trainer.export` logger at DEBUG instead."""
+    torch._C._jit_set_onnx_log_enabled(False)
+    caplog.set_level(logging.DEBUG, logger="ort_trainer.export")
+    capfd.readouterr()
+    with pytest.warns(UserWarning, match=r"ExportError: exporting the model to ONNX failed at operator aten::fft_rfft"):
+        ORTModule(Spectrum())(torch.randn(8, 4))
+    assert capfd.readouterr().out == ""
+    assert [record.levelno for record in caplog.records
+            if "the exporter's log: Torch IR graph at exception: graph(" in record.getMessage()] == [logging.DEBUG]
+    assert not torch._C._jit_is_onnx_log_enabled()  # as it was
 
 
 @pytest.mark.parametrize("policy", ["FALLBACK_DISABLE", "FALLBACK_UNSUPPORTED_DEVICE|FALLBACK_UNSUPPORTED_DATA"])
