@@ -145,8 +145,7 @@ class ORTModule(torch.nn.Module):
         return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _replicate_for_data_parallel(self):
-        raise TypeError("ORTModule does not support torch.nn.DataParallel (its replicas would share one model); "
-                        "use DistributedDataParallel(ORTModule(model))")
+        raise TypeError(_DATA_PARALLEL_REFUSED)
 
     def __getstate__(self):
         """Compiled graphs hold ONNX Runtime sessions: not pickled, compiled again after a load."""
@@ -164,6 +163,8 @@ class ORTModule(torch.nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
+        if _called_by_data_parallel(self):
+            raise TypeError(_DATA_PARALLEL_REFUSED)
         model = self._original_module
         if _reshards_after_forward(self):
             error = NotImplementedError(
@@ -357,6 +358,26 @@ def _is_model_method(value, model):
     function, code = value.__func__, getattr(value.__func__, "__code__", None)
     return (not getattr(function, "__module__", "").startswith(_LIBRARIES)
             and (code is None or "__class__" not in code.co_freevars))
+
+
+_DATA_PARALLEL_REFUSED = ("ORTModule does not support torch.nn.DataParallel (its replicas would share one model and "
+                          "its ONNX Runtime graphs): use DistributedDataParallel(ORTModule(model)), one process per "
+                          "GPU (torchrun)")
+_DATA_PARALLEL_FORWARD = torch.nn.DataParallel.forward.__code__
+
+
+def _called_by_data_parallel(module):
+    """Whether a torch.nn.DataParallel with devices (on CUDA) is calling `module` or a model holding
+    it: with one device it calls the module without replicating it (`_replicate_for_data_parallel`
+    sees only several). Without devices (on the CPU) DataParallel calls the model as it is."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _DATA_PARALLEL_FORWARD:
+            parallel = frame.f_locals.get("self")
+            if getattr(parallel, "device_ids", None) and any(child is module for child in parallel.module.modules()):
+                return True
+        frame = frame.f_back
+    return False
 
 
 def _is_dtensor(tensor):
