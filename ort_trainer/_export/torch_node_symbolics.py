@@ -28,6 +28,12 @@ DETACH = TORCH_OP_PREFIX + "detach"
 RRELU_SLOPES = "ops.aten.rrelu_with_noise_functional"  # the FUNCTION whose output 1 is nn.RReLU's slopes
 RECURRENT = frozenset({"rnn_tanh", "rnn_relu", "gru", "lstm"})  # the FUNCTIONs of recurrent layers: (output, h_n[, c_n])
 
+
+def draws_random_numbers(params):
+    """Whether a torch node of these params draws from torch's generator: multinomial, RReLU's
+    slopes, a recurrent layer's dropout (`draws`). A copy of it would draw other numbers."""
+    return bool(params.get("draws")) or params.get("function") in ("multinomial", RRELU_SLOPES)
+
 # Losses the exporter refuses -> (leading tensors, the index of `reduction` among the constant
 # arguments, the unreduced loss's shape: "elementwise" (the inputs') or "rows" (one per row)).
 # Their weights must be None (`_function`).
