@@ -55,8 +55,8 @@ class Trainer:
     def step(self, x, y):
         """One training step: y_pred = model(x), loss = criterion(y_pred, y), the gradients (the
         previous step's cleared), clipping when asked, the optimizer's update. Returns (loss, y_pred),
-        detached (y_pred in the structure the model returns). A criterion that does not return a scalar tensor is refused before any gradient
-        is touched."""
+        detached (y_pred in the structure the model returns). A criterion that does not return a
+        one-element loss is refused before any gradient is touched."""
         y_pred = self.model(x)
         loss = self.criterion(y_pred, y)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:

@@ -26,7 +26,7 @@ ADAPTIVE_AVG_POOL = TORCH_OP_PREFIX + "adaptive_avg_pool"
 FUNCTION = TORCH_OP_PREFIX + "function"
 DETACH = TORCH_OP_PREFIX + "detach"
 RRELU_SLOPES = "ops.aten.rrelu_with_noise_functional"  # the FUNCTION whose output 1 is nn.RReLU's slopes
-RECURRENT = frozenset({"rnn_tanh", "rnn_relu", "gru", "lstm"})  # the FUNCTIONs of recurrent layers: (output, h_n[, c_n])
+RECURRENT = frozenset({"rnn_tanh", "rnn_relu", "gru", "lstm"})  # recurrent layers' FUNCTIONs: (output, h_n[, c_n])
 
 
 def draws_random_numbers(params):
@@ -160,9 +160,10 @@ def _recurrent(name):
         packed = symbolic_helper._is_tensor_list(flags[0])  # (data, batch_sizes, hx, weights, has_biases, ..)
         if GLOBALS.export_training and packed and _draws(*flags[2:5]):
             module = {"gru": "GRU", "lstm": "LSTM"}.get(name, "RNN")
-            raise SymbolicValueError(f"nn.{module} with dropout={symbolic_helper._parse_arg(flags[3], 'f')} between "
-                                     "its layers cannot be trained in ONNX Runtime on a PackedSequence: pass the "
-                                     "padded batch itself (the layer trains with its dropout then), or set dropout=0", x)
+            dropout = symbolic_helper._parse_arg(flags[3], "f")
+            raise SymbolicValueError(f"nn.{module} with dropout={dropout} between its layers cannot be trained in ONNX "
+                                     "Runtime on a PackedSequence: pass the padded batch itself (the layer trains "
+                                     "with its dropout then), or set dropout=0", x)
         if not GLOBALS.export_training or packed:
             return default(g, x, hidden, weights, *flags)
         has_biases, num_layers, dropout, train, bidirectional, batch_first = (
