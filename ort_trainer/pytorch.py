@@ -1,4 +1,4 @@
-"""The first ONNX Runtime training front end's API (the seed `001_…`): a trainer made of the
+"""The first ONNX Runtime training front end's API (the seed `001_...`): a trainer made of the
 model, a loss criterion and any `torch.optim` optimizer, one call per training step.
 
     import ort_trainer.pytorch as ort

@@ -1,4 +1,4 @@
-"""The seed `001_…` API (`ort_trainer.pytorch`): `trainer = ort.trainer(model, criterion, optimizer, ...)`
+"""The seed `001_...` API (`ort_trainer.pytorch`): `trainer = ort.trainer(model, criterion, optimizer, ...)`
 and `loss, y_pred = trainer.step(x, y)`, in step with the eager loop it replaces; bad input refused
 by name, a refused step changing nothing."""
 import copy
