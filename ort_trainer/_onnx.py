@@ -92,6 +92,13 @@ def torch_node_params_of(node):
     return json.loads(node_attributes(node).get("overload_name", b"").decode() or "{}")
 
 
+def set_torch_node_params(node, params):
+    """Gives a torch node `params` (in place)."""
+    for attribute in node.attribute:
+        if attribute.name == "overload_name":
+            attribute.s = torch_node_params(params).encode()
+
+
 def inferred_tensors(model):
     """{tensor name: (element type, dims)} by ONNX shape inference; a dim is its size, its symbolic
     name, or None when unknown. The inference runs on a stand-in of the graph (`_inference_nodes`)

@@ -16,6 +16,7 @@ STAGES = {
     "_optimizers": 5,
     "_compile": 6, "optim": 6,
     "_trainer": 7, "ortmodule": 7,
+    "pytorch": 8,  # the seed's first front end, over ORTModule
     "__init__": 8,
 }
 

@@ -4,6 +4,7 @@ as ORTMODULE_FALLBACK_POLICY says, and refuses bad options by name."""
 import contextlib
 import copy
 import json
+import logging
 import os
 import pickle
 import re
@@ -477,9 +478,34 @@ def test_constructor_refusals():
         ORTModule(models.mlp(), {"save_onnx": True})
     with pytest.raises(ValueError, match="ORTModule.train: mode must be a bool, got 'no'"):
         ORTModule(models.mlp()).train("no")
-    with pytest.raises(TypeError, match=r"ORTModule does not support torch.nn.DataParallel \(its replicas would share "
-                                        r"one model\); use DistributedDataParallel\(ORTModule\(model\)\)"):
-        ORTModule(models.mlp())._replicate_for_data_parallel()
+    with pytest.raises(TypeError, match=f"^{re.escape(DATA_PARALLEL_REFUSED)}$"):
+        ORTModule(models.mlp())._replicate_for_data_parallel()  # DataParallel's replicate, with several devices
+
+
+DATA_PARALLEL_REFUSED = ("ORTModule does not support torch.nn.DataParallel (its replicas would share one model and its "
+                         "ONNX Runtime graphs): use DistributedDataParallel(ORTModule(model)), one process per GPU "
+                         "(torchrun)")
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_data_parallel_on_cuda_around_an_ortmodule_is_refused(monkeypatch, inside):
+    """torch.nn.DataParallel with one CUDA device calls the module without replicating it: refused
+    there too, around the ORTModule or around a model holding one. Faked on the CPU: DataParallel's
+    own forward with the devices a CUDA machine gives it (inputs scattered to the one device as they
+    are); with no devices (the CPU) DataParallel calls the model as it is, which runs."""
+    wrapped = ORTModule(models.mlp())
+    model = nn.Sequential(wrapped, nn.ReLU()) if inside else wrapped
+    x = torch.randn(8, 12)
+    parallel = nn.DataParallel(model)
+    assert parallel.device_ids == []
+    torch.testing.assert_close(parallel(x), model(x))
+    monkeypatch.setattr(sys.modules["torch.nn.parallel.data_parallel"], "scatter_kwargs",
+                        lambda inputs, kwargs, device_ids, dim: ((inputs,), (kwargs or {},)))
+    parallel.device_ids, parallel.src_device_obj, parallel.dim = [0], torch.device("cpu"), 0
+    compiled = len(wrapped._graphs)
+    with pytest.raises(TypeError, match=f"^{re.escape(DATA_PARALLEL_REFUSED)}$"):
+        parallel(x)
+    assert len(wrapped._graphs) == compiled
 
 
 # ---------------------------------------------------------------- fallback
@@ -526,6 +552,21 @@ def test_fallback_runs_pytorch_with_a_warning_naming_the_cause():
                                          r"forward\(x, scale=2.0, tag=None\) are constants of the call that cannot be "
                                          r"compared with those of other calls \(unhashable\)"):
         assert ORTModule(Structured())(x, tag=["a"])["nothing"] == ["a"]
+
+
+def test_the_exporters_graph_dump_goes_to_the_debug_log_not_stdout(capfd, caplog):
+    """torch 2.13's exporter turns its log on for every export (and leaves it on), so a failing
+    export printed the whole graph ("Torch IR graph at exception: ...") on stdout, twice with
+    ORTTrainer's dynamic dims: it goes to the `ort_trainer.export` logger at DEBUG instead."""
+    torch._C._jit_set_onnx_log_enabled(False)
+    caplog.set_level(logging.DEBUG, logger="ort_trainer.export")
+    capfd.readouterr()
+    with pytest.warns(UserWarning, match=r"ExportError: exporting the model to ONNX failed at operator aten::fft_rfft"):
+        ORTModule(Spectrum())(torch.randn(8, 4))
+    assert capfd.readouterr().out == ""
+    assert [record.levelno for record in caplog.records
+            if "the exporter's log: Torch IR graph at exception: graph(" in record.getMessage()] == [logging.DEBUG]
+    assert not torch._C._jit_is_onnx_log_enabled()  # as it was
 
 
 @pytest.mark.parametrize("policy", ["FALLBACK_DISABLE", "FALLBACK_UNSUPPORTED_DEVICE|FALLBACK_UNSUPPORTED_DATA"])

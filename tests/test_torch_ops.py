@@ -226,10 +226,13 @@ def _batches(shape, steps=5):
             for _ in range(steps)]
 
 
-def _eager_losses(model, batches):
+def _eager_losses(model, batches, seeds=None):
+    """SGD steps of `model` on `batches`, each after torch.manual_seed(its seed) if `seeds` are given."""
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for x, target in batches:
+    for step, (x, target) in enumerate(batches):
+        if seeds is not None:
+            torch.manual_seed(seeds[step])
         sgd.zero_grad()
         loss = F.cross_entropy(model(x), target)
         loss.backward()
@@ -478,15 +481,114 @@ def test_a_torch_nodes_backward_is_one_autograd_pass_for_all_its_inputs(monkeypa
             torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-6)
 
 
-def test_an_rnn_with_dropout_between_its_layers_is_refused_by_name():
-    model = nn.Sequential(nn.RNN(3, 5, 2, dropout=0.5, batch_first=True))
-    trainer = ORTTrainer(model, {"inputs": [("x", ["batch", 6, 3]), ("y", ["batch", 6, 5])],
-                                 "outputs": [("loss", [], True)]},
-                         optim.SGDConfig(lr=0.1), loss_fn=lambda output, y: F.mse_loss(output[0], y))
-    with pytest.raises(ExportError, match=r"nn\.RNN\(nonlinearity='tanh'\) with dropout=0\.5 between its layers cannot "
-                                        r"be trained in ONNX Runtime \(its backward would draw other masks\): set "
-                                        r"dropout=0, or apply nn\.Dropout between single-layer modules"):
-        trainer.train_step(torch.randn(4, 6, 3), torch.randn(4, 6, 5))
+# Recurrent layers with dropout between their layers, in training mode: torch's kernels draw the
+# masks from torch's generator (the same masks as eager after the same torch.manual_seed), and the
+# gradient node draws them again from the state the forward started from.
+DROPOUT_CASES = {
+    "lstm": lambda: Recurrent("LSTM", layers=3, dropout=0.5),
+    "gru reading h_n": lambda: Recurrent("GRU", layers=2, dropout=0.5, reads_last_hidden=True),
+    "rnn": lambda: Recurrent(layers=2, dropout=0.5, batch_first=False),
+    "lstm bidirectional reading h_n and c_n": lambda: Recurrent("LSTM", layers=2, dropout=0.5, bidirectional=True,
+                                                               reads_last_hidden=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DROPOUT_CASES))
+def test_orttrainer_trains_recurrent_dropout_between_layers_with_eagers_masks(case):
+    model, batches, seeds = DROPOUT_CASES[case](), _batches((4, 6, 3), steps=3), [3, 4, 5]
+    reference = copy.deepcopy(model)
+    expected = _eager_losses(reference, batches, seeds)
+    desc = {"inputs": [("x", ["batch", 6, 3]), ("target", ["batch"])], "outputs": [("loss", [], True),
+                                                                                  ("y", ["batch", 2])]}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options={"utils": {"grad_norm_clip": False}})
+    losses = []
+    for seed, (x, target) in zip(seeds, batches):
+        torch.manual_seed(seed)
+        losses.append(trainer.train_step(x, target)[0].item())
+    assert_losses_close(losses, expected)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=1e-5, atol=1e-6)
+    x, target = batches[0]
+    torch.manual_seed(0)
+    masked = trainer.train_step(x, target)[1]
+    torch.manual_seed(1)
+    assert not torch.allclose(trainer.train_step(x, target)[1], masked)  # the masks are drawn, per seed
+    reference.load_state_dict(model.state_dict())
+    reference.eval()  # eval_step: no dropout
+    torch.testing.assert_close(trainer.eval_step(x, target)[1], reference(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["lstm", "gru reading h_n"])
+def test_ortmodule_trains_recurrent_dropout_between_layers_with_eagers_masks(case, monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    model, batches, seeds = DROPOUT_CASES[case](), _batches((4, 6, 3), steps=3), [3, 4, 5]
+    reference = copy.deepcopy(model)
+    expected = _eager_losses(reference, batches, seeds)
+    assert_losses_close(_eager_losses(ORTModule(model), batches, seeds), expected)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=1e-5, atol=1e-6)
+    wrapped = ORTModule(model).eval()
+    torch.testing.assert_close(wrapped(batches[0][0]), reference.eval()(batches[0][0]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_dropout_of_a_one_layer_recurrent_layer_draws_nothing_and_trains(kind):
+    """torch drops out between layers only: with one layer `dropout` changes nothing (torch warns
+    when the layer is made); the exporter refused it in training mode all the same."""
+    with pytest.warns(UserWarning, match="dropout option adds dropout after all but last recurrent layer"):
+        model = Recurrent(kind, dropout=0.5)
+    batches = _batches((4, 6, 3), steps=3)
+    expected = _eager_losses(copy.deepcopy(model), batches)
+    trainer = ORTTrainer(model, desc_for((4, 6, 3)), optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options={"utils": {"grad_norm_clip": False}})
+    assert_losses_close([trainer.train_step(x, target)[0].item() for x, target in batches], expected)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_recurrent_layer_with_dropout_is_not_recomputed(reentrant, monkeypatch):
+    """A checkpointed segment's nodes are copied into the backward, but a torch node that draws is
+    left to the forward (a copy would draw other masks: gradients 10% off, silently)."""
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp, self.rnn, self.head = nn.Linear(3, 3), nn.LSTM(3, 5, 3, dropout=0.5, batch_first=True), \
+                nn.Linear(5, 2)
+
+        def forward(self, x):
+            hidden = torch.utils.checkpoint.checkpoint(lambda h: self.rnn(h)[0].tanh(), self.inp(x),
+                                                       use_reentrant=reentrant)
+            return self.head(hidden[:, -1])
+
+    model = Checkpointed()
+    reference, wrapped = copy.deepcopy(model), ORTModule(model)
+    for seed, (x, _) in enumerate(_batches((4, 6, 3), steps=2)):
+        for module in (wrapped, reference):
+            torch.manual_seed(seed)
+            module(x).square().sum().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_recurrent_dropout_on_a_packed_sequence_is_refused_by_name():
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(3, 5, 2, dropout=0.25)
+
+        def forward(self, x):
+            packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([6, 4, 3, 2]))
+            return nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0])[0][-1, :, :2]
+
+    trainer = ORTTrainer(Packed(), {"inputs": [("x", [6, 4, 3]), ("target", [4, 2])], "outputs": [("loss", [], True)]},
+                         optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss)
+    with pytest.raises(ExportError, match=r"nn\.LSTM with dropout=0\.25 between its layers cannot be trained in ONNX "
+                                        r"Runtime on a PackedSequence: pass the padded batch itself \(the layer trains "
+                                        r"with its dropout then\), or set dropout=0"):
+        trainer.train_step(torch.randn(6, 4, 3), torch.randn(4, 2))
 
 
 def test_export_onnx_of_a_trained_rnn_writes_onnx_rnn(tmp_path):

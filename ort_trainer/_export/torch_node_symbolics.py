@@ -26,6 +26,13 @@ ADAPTIVE_AVG_POOL = TORCH_OP_PREFIX + "adaptive_avg_pool"
 FUNCTION = TORCH_OP_PREFIX + "function"
 DETACH = TORCH_OP_PREFIX + "detach"
 RRELU_SLOPES = "ops.aten.rrelu_with_noise_functional"  # the FUNCTION whose output 1 is nn.RReLU's slopes
+RECURRENT = frozenset({"rnn_tanh", "rnn_relu", "gru", "lstm"})  # recurrent layers' FUNCTIONs: (output, h_n[, c_n])
+
+
+def draws_random_numbers(params):
+    """Whether a torch node of these params draws from torch's generator: multinomial, RReLU's
+    slopes, a recurrent layer's dropout (`draws`). A copy of it would draw other numbers."""
+    return bool(params.get("draws")) or params.get("function") in ("multinomial", RRELU_SLOPES)
 
 # Losses the exporter refuses -> (leading tensors, the index of `reduction` among the constant
 # arguments, the unreduced loss's shape: "elementwise" (the inputs') or "rows" (one per row)).
@@ -139,13 +146,24 @@ def _rrelu(g, x, lower, upper, training, generator):
 def _recurrent(name):
     """nn.RNN (aten::rnn_tanh, rnn_relu), and nn.GRU / nn.LSTM where ONNX Runtime cannot train them
     (bidirectional: its kernels run the forward direction only; an LSTM with proj_size: the exporter
-    refuses it): a training export runs torch's op as one torch node, (output, h_n[, c_n]) all
-    differentiable. ONNX Runtime has no gradient for ONNX's RNN at all. Else torch's symbolic."""
+    refuses it; dropout between layers in training: neither has it): a training export runs torch's
+    op as one torch node, (output, h_n[, c_n]) all differentiable. ONNX Runtime has no gradient for
+    ONNX's RNN at all. Else torch's symbolic (dropout with one layer draws nothing: left out).
+
+    Dropout between layers draws its masks from torch's generator, as eager does (the same masks
+    after the same torch.manual_seed); the node's last output is the generator's state it started
+    from (`draws`), from which its gradient node draws the same masks again (`_runtime.torch_ops`)."""
     default = symbolic_opset9.lstm if name == "lstm" else symbolic_opset9._one_hidden_rnn(
         {"gru": "GRU"}.get(name, f"RNN_{name.removeprefix('rnn_').upper()}"))
 
     def symbolic(g, x, hidden, weights, *flags):
-        packed = name == "lstm" and symbolic_helper._is_tensor_list(flags[0])  # (data, batch_sizes, hx, weights, ..)
+        packed = symbolic_helper._is_tensor_list(flags[0])  # (data, batch_sizes, hx, weights, has_biases, ..)
+        if GLOBALS.export_training and packed and _draws(*flags[2:5]):
+            module = {"gru": "GRU", "lstm": "LSTM"}.get(name, "RNN")
+            dropout = symbolic_helper._parse_arg(flags[3], "f")
+            raise SymbolicValueError(f"nn.{module} with dropout={dropout} between its layers cannot be trained in ONNX "
+                                     "Runtime on a PackedSequence: pass the padded batch itself (the layer trains "
+                                     "with its dropout then), or set dropout=0", x)
         if not GLOBALS.export_training or packed:
             return default(g, x, hidden, weights, *flags)
         has_biases, num_layers, dropout, train, bidirectional, batch_first = (
@@ -153,13 +171,9 @@ def _recurrent(name):
         states = symbolic_helper._unpack_list(hidden) if name == "lstm" else [hidden]
         parameters = symbolic_helper._unpack_list(weights)
         per_cell = len(parameters) // (num_layers * (2 if bidirectional else 1))  # 3 or 5: proj_size's weight
-        if name in ("gru", "lstm") and not bidirectional and per_cell in (2, 4):
-            return default(g, x, hidden, weights, *flags)
-        module = {"gru": "GRU", "lstm": "LSTM"}.get(name, f"RNN(nonlinearity={name.removeprefix('rnn_')!r})")
-        if dropout and train:
-            raise SymbolicValueError(f"nn.{module} with dropout={dropout} between its layers cannot be trained in "
-                                     "ONNX Runtime (its backward would draw other masks): set dropout=0, or apply "
-                                     "nn.Dropout between single-layer modules", x)
+        draws = _draws(num_layers, dropout, train)
+        if name in ("gru", "lstm") and not bidirectional and per_cell in (2, 4) and not draws:
+            return default(g, x, hidden, weights, *flags[:2], 0.0, *flags[3:])
         tensors = [x, *states, *parameters]
         # the zeros the layer starts from when given no state: no gradient (h_0 and c_0, equal
         # constants, become one tensor, whose gradient the builder would define twice)
@@ -168,13 +182,23 @@ def _recurrent(name):
         params = {"function": name, "kwargs": {}, "tensor_lists": [[1, 1 + len(states)]] * (name == "lstm")
                   + [[1 + len(states), len(tensors)]], "differentiable_outputs": 1 + len(states),
                   "args": [bool(has_biases), num_layers, dropout, bool(train), bool(bidirectional), bool(batch_first)],
-                  **({"stop_gradient": constants} if constants else {})}
-        outputs = _torch_node(g, FUNCTION, tensors, rank=None, outputs=1 + len(states), **params)
+                  **({"stop_gradient": constants} if constants else {}), **({"draws": True} if draws else {})}
+        outputs = _torch_node(g, FUNCTION, tensors, rank=None, outputs=1 + len(states) + draws, **params)
         outputs[0].setType(x.type().with_sizes([None] * 3))
         for output, state in zip(outputs[1:], states):
             output.setType(state.type().with_sizes([None] * 3))
+        if draws:
+            outputs[-1].setType(x.type().with_dtype(torch.uint8).with_sizes([None]))
+            return outputs[:-1]
         return outputs
     return symbolic
+
+
+def _draws(num_layers, dropout, train):
+    """Whether a recurrent layer draws dropout masks: between layers, in training mode."""
+    num_layers, dropout, train = (symbolic_helper._parse_arg(value, kind) for value, kind in zip((num_layers, dropout,
+                                                                                                  train), "ifi"))
+    return bool(dropout and train and num_layers > 1)
 
 
 _FLOATS = frozenset({"Float", "Double", "Half", "BFloat16", None})  # None: not known, treated as floating

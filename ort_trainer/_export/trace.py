@@ -9,6 +9,7 @@ import collections
 import contextlib
 import io
 import itertools
+import logging
 import re
 import warnings
 
@@ -34,6 +35,9 @@ _EXPORTER_NOTICES = ("You are using the legacy TorchScript-based ONNX export",
                      "Setting `training` to something other than default is deprecated",
                      "The feature will be removed",
                      "Constant folding - Only steps=1 can be constant folded")
+
+
+LOGGER = logging.getLogger("ort_trainer.export")
 
 
 class ExportError(RuntimeError):
@@ -76,7 +80,7 @@ def _export(module, args, **kwargs):
     try:
         with our_symbolics(), training_flags_kept(module), rng_kept(module, args), warnings.catch_warnings(), \
                 state_dict_pre_hooks_held(module), export_patches(module), checkpoints_inlined(), \
-                NoGradValuesDetached(), \
+                NoGradValuesDetached(), exporter_log_to_debug(), \
                 watch_data_dependence() as data_dependent:
             for message in _EXPORTER_NOTICES:
                 warnings.filterwarnings("ignore", message=message)
@@ -172,3 +176,23 @@ def rng_kept(model, tensors):
     devices = {t.device.index or 0 for t in itertools.chain(tensors, model.parameters(), model.buffers())
                if t.is_cuda}
     return torch.random.fork_rng(devices=sorted(devices))
+
+
+@contextlib.contextmanager
+def exporter_log_to_debug():
+    """Context in which the TorchScript exporter's own log (a "Torch IR graph at exception" dump of
+    the whole graph before each failure, written on stdout: torch 2.13's exporter turns its log on
+    for every export and leaves it on) goes to the `ort_trainer.export` logger at DEBUG; the log's
+    switch is left as it was found."""
+    enabled, log = torch._C._jit_is_onnx_log_enabled(), torch._C._jit_onnx_log
+    torch._C._jit_onnx_log = _debug_log
+    try:
+        yield
+    finally:
+        torch._C._jit_onnx_log = log
+        torch._C._jit_set_onnx_log_enabled(enabled)
+
+
+def _debug_log(*parts):
+    if LOGGER.isEnabledFor(logging.DEBUG):
+        LOGGER.debug("the exporter's log: %s", "".join(str(part) for part in parts))

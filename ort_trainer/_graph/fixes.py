@@ -5,9 +5,9 @@ training mode turned off."""
 import onnx
 
 from .._export.symbolics import MARKER_DOMAIN
-from .._export.torch_node_symbolics import RRELU_SLOPES
+from .._export.torch_node_symbolics import RECURRENT, RRELU_SLOPES
 from .._onnx import (computed_from, float_constant, inferred_tensors, int64_constant, node_attributes,
-                     parameters_as_inputs, set_nodes, torch_node_params_of)
+                     parameters_as_inputs, set_nodes, set_torch_node_params, torch_node_params_of)
 from .gradients import cumsum_as_inclusive, extrema_differentiable, flips_as_gathers, register_gradients
 from .missing_gradient import MissingGradientError
 from .normalization import decompose_instance_normalization, inference_batch_norm_as_primitives
@@ -39,8 +39,8 @@ def add_second_outputs(model):
 
 
 def disable_training_mode(model):
-    """Dropout off, BatchNormalization in inference mode (on the running statistics, without the
-    outputs of their update), RReLU's fixed slope.
+    """Dropout off (recurrent layers' between layers too), BatchNormalization in inference mode (on
+    the running statistics, without the outputs of their update), RReLU's fixed slope.
 
     Dropout becomes Identity, which ORT then removes (its training build keeps inference-mode
     Dropout nodes, each a copy), unless something reads its mask; then it loses its
@@ -48,6 +48,10 @@ def disable_training_mode(model):
     read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
     rrelu_slopes_fixed(model)
     for node in model.graph.node:
+        params = torch_node_params_of(node)
+        if params.get("function") in RECURRENT and params["args"][3]:  # (has_biases, num_layers, dropout, train, ..)
+            params["args"][3] = False
+            set_torch_node_params(node, params)
         if node.op_type == "Dropout" and not read.intersection(node.output[1:]):
             node.op_type = "Identity"
             del node.input[1:], node.output[1:], node.attribute[:]

@@ -28,7 +28,8 @@ import torch
 
 from .._configuration.options import recomputes
 from .._export.checkpointing import segment_of
-from .._onnx import constant_values
+from .._export.torch_node_symbolics import draws_random_numbers
+from .._onnx import constant_values, torch_node_params_of
 from .missing_gradient import torch_module
 
 _SUFFIX = "_recompute"
@@ -44,6 +45,12 @@ _RANDOM_CONTRIB = {"BitmaskDropout", "BiasDropout", "BitmaskBiasDropout"}  # ONN
 
 def _is_onnx(node):
     return node.domain in ("", "ai.onnx")
+
+
+def _kept(node):
+    """Whether `node` is left to the forward: a constant, a random op, a torch node that draws
+    random numbers (multinomial, RReLU's slopes, a recurrent layer's dropout)."""
+    return node.op_type in _KEPT or node.op_type in _RANDOM_CONTRIB or draws_random_numbers(torch_node_params_of(node))
 
 
 def layer_stack(model):
@@ -162,8 +169,7 @@ class Recompute:
                 read_by.setdefault(name, set()).add(layer_of.get(id(node)))
 
         def recomputed(node, layer):
-            return (layer_of.get(id(node)) == layer and node.op_type not in _KEPT
-                    and node.op_type not in _RANDOM_CONTRIB and modes.get(id(node), False) is not None
+            return (layer_of.get(id(node)) == layer and not _kept(node) and modes.get(id(node), False) is not None
                     and all(read_by.get(output, set()) <= {layer} for output in node.output if output))
 
         segments = sorted({layer for layer in layer_of.values() if isinstance(layer, tuple)})
@@ -279,8 +285,7 @@ def recompute_in_backward(training, forward, group_of):
     groups = {}
     for node in forward_nodes:
         key = group.get(id(node))
-        if (key is not None and node.op_type not in _KEPT and node.op_type not in _RANDOM_CONTRIB
-                and modes.get(id(node), False) is not None
+        if (key is not None and not _kept(node) and modes.get(id(node), False) is not None
                 and all(read_by.get(output, set()) <= {key} for output in node.output if output)):
             groups.setdefault(key, []).append(node)
     if not groups:

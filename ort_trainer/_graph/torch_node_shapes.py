@@ -5,7 +5,7 @@ the node's parameters, per torch operator and function."""
 import onnx
 
 from .._export.autograd_functions import AUTOGRAD_FUNCTION
-from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX, WITH_INDICES
+from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, RECURRENT, TORCH_OP_PREFIX, WITH_INDICES
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_operator, torch_node_params_of
 
@@ -105,13 +105,12 @@ def _recurrent_shape(shapes, args):
     return list(shapes[0][:-1]) + [shapes[1][-1] * (2 if bidirectional else 1)]
 
 
-_RECURRENT = frozenset({"rnn_tanh", "rnn_relu", "gru", "lstm"})
 # Functions whose output shape is neither the inputs' broadcast nor a reduction's.
 _SHAPE_CHANGING = {
     "ops.aten.cdist": lambda shapes, args: list(shapes[0][:-1]) + [shapes[1][-2]],  # [.., P, D], [.., R, D]
     "trace": lambda shapes, args: [],
     "pdist": lambda shapes, args: [shapes[0][0] * (shapes[0][0] - 1) // 2],
-    "diag": _diag_shape, "kron": _kron_shape, **{name: _recurrent_shape for name in _RECURRENT},
+    "diag": _diag_shape, "kron": _kron_shape, **{name: _recurrent_shape for name in RECURRENT},
     **{f"ops.aten._upsample_nearest_exact{dims}d": _nearest_exact_shape for dims in (1, 2, 3)},
 }
 
@@ -149,9 +148,11 @@ def declare_torch_node_outputs(model):
                 continue  # typed already, and no shape to add
             element_type = params.get("output_type") or inputs[0][0] or onnx.TensorProto.FLOAT
             set_value_info(model, node.output[0], element_type, shape)
-            if params.get("function") in _RECURRENT:  # (output, h_n[, c_n]): the initial states' shapes
-                for state, (_, dims) in zip(node.output[1:], inputs[1:]):
+            if params.get("function") in RECURRENT:  # (output, h_n[, c_n]): the initial states' shapes
+                for state, (_, dims) in zip(node.output[1:params["differentiable_outputs"]], inputs[1:]):
                     set_value_info(model, state, element_type, dims)
+                if params.get("draws"):  # the generator's state
+                    set_value_info(model, node.output[-1], onnx.TensorProto.UINT8, None)
             else:  # (values, indices) functions: int64, the values' shape; RReLU's slopes: the values'
                 for second in node.output[1:]:
                     set_value_info(model, second, onnx.TensorProto.INT64 if params.get("function") in WITH_INDICES

@@ -21,8 +21,8 @@ from onnxruntime.capi import _pybind_state as C
 from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
-from .._onnx import (node_attributes, onnx_opset, set_nodes, torch_node, torch_node_operator, torch_node_params,
-                     torch_node_params_of)
+from .._onnx import (node_attributes, onnx_opset, set_nodes, set_torch_node_params, torch_node, torch_node_operator,
+                     torch_node_params, torch_node_params_of)
 from .torch_node_shapes import EINSUM, TO_BF16, declare_torch_node_outputs
 
 RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
@@ -233,6 +233,8 @@ def register_torch_node_gradients(model):
         else:
             inputs = [f"GO({k})" for k in range(params.get("differentiable_outputs", 1))]
             inputs += [f"I({k})" for k in range(len(node.input))]
+            if params.get("draws"):  # the generator's state the forward drew from (`_runtime.torch_ops`)
+                inputs.append(f"O({len(node.output) - 1})")
         # output k: input k's gradient, "" where the builder needs none
         definition = _gradient_node(GRADIENTS[operator], inputs, [f"GI({k})" for k in range(len(node.input))], params)
         C.register_gradient_definition(f"{DOMAIN}::ATen::{operator}::{overload}", [definition])
@@ -255,9 +257,7 @@ def finish_torch_node_gradients(model):
             kept = [name for name in node.output if name]
             del node.output[:]
             node.output.extend(kept)
-            for attribute in node.attribute:
-                if attribute.name == "overload_name":
-                    attribute.s = torch_node_params(params).encode()
+            set_torch_node_params(node, params)
 
 
 def _missing_output_gradients_as_zeros(model):

@@ -108,8 +108,37 @@ def _function(inputs, params):
     for start, end in reversed(params.get("tensor_lists", [])):
         operands = [*operands[:start], operands[start:end], *operands[end:]]
     # params' output_type informs the graph only
-    result = function(*operands, *params["args"], **params["kwargs"])
-    return list(result) if isinstance(result, tuple) else [result]  # (values, indices) as torch returns them
+    if not params.get("draws"):
+        result = function(*operands, *params["args"], **params["kwargs"])
+        return list(result) if isinstance(result, tuple) else [result]  # (values, indices) as torch returns them
+    # random draws (a recurrent layer's dropout): cuDNN's RNN draws from a state of its own, which cannot be
+    # set back; torch's own kernels draw from the generator, whose state before the call is the last output
+    state = _generator_state(inputs[0].device)
+    with torch.backends.cudnn.flags(enabled=False):
+        result = function(*operands, *params["args"], **params["kwargs"])
+    return [*result, state.to(inputs[0].device)]
+
+
+def _generator_state(device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _drawing_again(forward):
+    """`forward` recomputed for a gradient: one that drew random numbers (params' `draws`) gets, as
+    its last operand, the generator's state its forward node started from (that node's last output),
+    draws the same numbers again from it, and leaves torch's generator as it found it."""
+    def recomputed(operands, params):
+        if not params.get("draws"):
+            return forward(operands, params)
+        *operands, state = operands
+        device = operands[0].device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if device.type == "cuda":
+                torch.cuda.set_rng_state(state.cpu(), device)
+            else:
+                torch.set_rng_state(state)
+            return forward(operands, params)
+    return recomputed
 
 
 def _input_gradients(forward):
@@ -301,7 +330,7 @@ IMPLEMENTATIONS = {
     RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
     EINSUM: _einsum, EINSUM_GRAD: _input_gradients(_einsum),
     ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradients(_adaptive_avg_pool),
-    FUNCTION: _function, FUNCTION_GRAD: _input_gradients(_function),
+    FUNCTION: _function, FUNCTION_GRAD: _input_gradients(_drawing_again(_function)),
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
     PRODUCT: product, PRODUCT_GRAD: product_gradients, MATRIX_PRODUCT: matrix_product,
     TO_BF16: lambda inputs, params: [converted(inputs[0], torch.bfloat16)],

@@ -8,7 +8,6 @@ accumulates the graph's gradients into `.grad`). Other attributes are the model'
 """
 import contextlib
 import functools
-import sys
 import types
 import warnings
 import weakref
@@ -30,6 +29,7 @@ from .._runtime.placement import Placement
 from .._runtime.sessions import Sessions
 from . import _partitioned
 from ._density import DensityReport
+from ._distributed_wrappers import DATA_PARALLEL_REFUSED, called_by_data_parallel, is_dtensor, same_entries
 from ._graph_function import _GraphFunction
 
 MAX_CACHED_GRAPHS = 8  # as ORTTrainer's utils.max_cached_graphs default
@@ -47,9 +47,10 @@ class ORTModule(torch.nn.Module):
     `model = ORTModule(model)` and the rest of the PyTorch loop stays: any torch optimizer, LR
     scheduler, `clip_grad_norm_`, `DistributedDataParallel(ORTModule(model))`, FSDP2's
     `fully_shard(ORTModule(block))`, `deepspeed.initialize(model=ORTModule(model))` at any ZeRO
-    stage, autocast around the loss, `state_dict()` (the model's keys), `torch.save`. Inputs are passed as `module.forward`
-    takes them (tensors by position or keyword; other arguments are constants of the call); any
-    tensor outputs come back in the structure forward() returns (tuples, dicts, ModelOutputs).
+    stage, autocast around the loss, `state_dict()` (the model's keys), `torch.save`. Inputs are
+    passed as `module.forward` takes them (tensors by position or keyword; other arguments are
+    constants of the call); any tensor outputs come back in the structure forward() returns (tuples,
+    dicts, ModelOutputs).
 
     Each input signature (shapes, dtypes, device, which inputs and parameters require grad, the
     constants and the structure of list, tuple and dict arguments, grad mode, autocast) and model
@@ -82,7 +83,7 @@ class ORTModule(torch.nn.Module):
         if isinstance(module, _WRAPPERS):
             raise TypeError(f"ORTModule: module must be the model itself, got a {type(module).__name__}; wrap the "
                             "model first: DistributedDataParallel(ORTModule(model)) (DataParallel is not supported)")
-        sharded = [name for name, parameter in module.named_parameters() if _is_dtensor(parameter)]
+        sharded = [name for name, parameter in module.named_parameters() if is_dtensor(parameter)]
         if sharded:
             raise TypeError(f"ORTModule: parameters {sharded} of the {type(module).__name__} are DTensors (sharded by "
                             "FSDP2's fully_shard or tensor parallelism), while the graph reads plain tensors; wrap the "
@@ -121,7 +122,7 @@ class ORTModule(torch.nn.Module):
 
     def __setattr__(self, name, value):
         if name in _SHARED_TABLES and "_original_module" in self.__dict__:
-            if not _same_entries(value, getattr(self, name)):
+            if not same_entries(value, getattr(self, name)):
                 kind = type(value)
                 raise NotImplementedError(
                     f"ORTModule: its {name} table cannot be replaced by a {kind.__module__}.{kind.__qualname__} "
@@ -153,8 +154,7 @@ class ORTModule(torch.nn.Module):
         return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _replicate_for_data_parallel(self):
-        raise TypeError("ORTModule does not support torch.nn.DataParallel (its replicas would share one model); "
-                        "use DistributedDataParallel(ORTModule(model))")
+        raise TypeError(DATA_PARALLEL_REFUSED)
 
     def __getstate__(self):
         """Compiled graphs hold ONNX Runtime sessions: not pickled, compiled again after a load."""
@@ -172,6 +172,8 @@ class ORTModule(torch.nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
+        if called_by_data_parallel(self):
+            raise TypeError(DATA_PARALLEL_REFUSED)
         partitioned = _partitioned.partitioned(self._original_module.parameters())  # DeepSpeed ZeRO-3's
         if not partitioned:
             return self._forward(args, kwargs, None)
@@ -383,20 +385,6 @@ def _is_model_method(value, model):
     function, code = value.__func__, getattr(value.__func__, "__code__", None)
     return (not getattr(function, "__module__", "").startswith(_LIBRARIES)
             and (code is None or "__class__" not in code.co_freevars))
-
-
-def _same_entries(table, current):
-    """Whether `table` is a table (dict, set) holding what `current` holds (by identity). Read as a
-    plain dict: DeepSpeed's ZeROOrderedDict gathers a partitioned parameter when indexed."""
-    if isinstance(current, dict):
-        theirs, ours = dict(dict.items(table)) if isinstance(table, dict) else None, dict(dict.items(current))
-        return theirs is not None and theirs.keys() == ours.keys() and all(theirs[k] is v for k, v in ours.items())
-    return isinstance(table, set) and table == current
-
-
-def _is_dtensor(tensor):
-    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
-    return tensor_module is not None and isinstance(tensor, tensor_module.DTensor)
 
 
 def _compute_dtype(device_type):
