@@ -76,6 +76,19 @@ def test_export_before_any_step_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_export_of_a_model_desc_declaring_only_the_loss_is_refused(tmp_path):
+    desc = {"inputs": [("x", ["batch", 4]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
+    trainer = ORTTrainer(torch.nn.Linear(4, 3), desc, optim.SGDConfig(lr=0.1),
+                         loss_fn=torch.nn.functional.cross_entropy)
+    trainer.train_step(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    with pytest.raises(ValueError, match=re.escape(
+            "model_desc['outputs'] declares only the loss 'loss': declare the model's outputs after it (e.g. "
+            "('output', ['batch', 10])) in a new trainer, or write the model with its loss by save_as_onnx()")):
+        trainer.export_onnx(tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+    trainer.save_as_onnx(tmp_path / "with_loss.onnx")  # the alternative the message names works
+
+
 class PaddedElu(torch.nn.Module):
     """Ops our training exports write differently from torch: reflect padding (a torch node) and Elu
     (decomposed)."""

@@ -285,6 +285,12 @@ class ORTTrainer:
             raise RuntimeError("export_onnx() needs a sample batch: call train_step() or eval_step() once first")
         model_inputs = self._binding.model_inputs
         outputs = self.model_desc.output_names[1:] if self.loss_fn is not None else self.model_desc.output_names
+        if not outputs:
+            raise ValueError(f"export_onnx() writes the model without its loss, whose outputs are model_desc's outputs "
+                             f"after the loss; model_desc['outputs'] declares only the loss "
+                             f"{self.model_desc.output_names[0]!r}: declare the model's outputs after it (e.g. "
+                             "('output', ['batch', 10])) in a new trainer, or write the model with its loss by "
+                             "save_as_onnx()")
         with self._placement.step():  # the weights as the last update left them
             serialized, static = _inference.export_inference_model(
                 self.model, self._binding, [spec for spec in self.model_desc.inputs if spec.name in model_inputs],
