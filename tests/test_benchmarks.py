@@ -92,3 +92,13 @@ def test_bf16_overhead_benchmark_runs(tmp_path):
     result, _ = _run("bf16_overhead.py", "--vocab", "40", "--rounds", "1", "--steps", "1", tmp_path=tmp_path)
     assert result["bare_products_ms"] > 0 and result["bf16_nodes_ms"] > 0
     assert {"bf16_product_ms", "bf16_product_grad_ms", "to_bf16_ms"} <= set(result)
+
+
+def test_ortmodule_sweep_benchmark_runs_every_engine_at_every_point(tmp_path):
+    result, _ = _run("ortmodule_sweep.py", "--points", "1x8", "2x4", "--width", "16", "--heads", "2", "--vocab", "40",
+        "--batch", "2", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", tmp_path=tmp_path)
+    assert set(result["points"]) == {"1x8", "2x4"}
+    for point in result["points"].values():
+        assert set(point["median_ms"]) == {"eager", "ortmodule", "ortrainer"}
+        assert max(point["worst_relative_loss_difference"].values()) < 1e-5
+    assert set(result["median_point_speedup"]) == {"eager", "ortmodule", "ortrainer"}
