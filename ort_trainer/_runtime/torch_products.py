@@ -123,10 +123,14 @@ def _vector_product_gradient(grad, a, b, operand):
 
 
 def matrix_product(inputs, params):
-    """An fp32 2-D product in ONNX Gemm's terms (`_graph.cpu_products`): alpha op(A) op(B) + beta C,
-    the transposes read as views."""
+    """An fp32 product in ONNX Gemm's terms (`_graph.cpu_products`): alpha op(A) op(B) + beta C,
+    the transposes read as views; an A of more than two dims is a batch of rows (untransposed),
+    multiplied as one matrix of all its rows."""
     a, b = _transposed(inputs[0], params["trans_a"]), _transposed(inputs[1], params["trans_b"])
+    rows = a.shape[:-1]
+    a = a.reshape(-1, a.shape[-1])
     if len(inputs) > 2:
         return [torch.addmm(inputs[2], a, b, beta=params["beta"], alpha=params["alpha"])]
     result = torch.mm(a, b)
-    return [result.mul_(params["alpha"]) if params["alpha"] != 1.0 else result]
+    result = result.mul_(params["alpha"]) if params["alpha"] != 1.0 else result
+    return [result.view(*rows, result.shape[-1])]
