@@ -186,7 +186,7 @@ def test_ortmodule_with_its_products_in_torch_trains_as_eager(every_product_in_t
     assert every_product_in_torch
 
 
-def test_a_product_under_a_gflop_is_not_measured():
+def test_a_product_under_half_a_gflop_is_not_measured():
     before = product_speed.measured_products()
     assert product_speed.torch_product_faster((False, False, 700, 200, 800), threads=2) is False  # 0.22 GFLOP
     assert product_speed.measured_products() == before
