@@ -16,9 +16,11 @@ from ort_trainer._export import trace as _export
 from ort_trainer._export.binding import bind_inputs
 from ort_trainer._export.trace import graph_name
 from ort_trainer._graph import training_graphs
-from ort_trainer._graph.cpu_kernels import fast_gelu_grad, fast_softmax_cross_entropy, substitute_cpu_kernels
+from ort_trainer._graph.cpu_kernels import (fast_gelu_grad, fast_softmax_cross_entropy, gelu_grads_in_torch,
+                                            substitute_cpu_kernels)
 from ort_trainer._graph.training_graphs import build_graphs
 from ort_trainer._onnx import quiet_session_options
+from ort_trainer._runtime.torch_ops import register_executor
 
 from . import models
 
@@ -265,9 +267,34 @@ def test_tanh_gelu_gradient_rewrite_matches_ort_kernel_and_torch(op_type, seed):
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("op_type", ["FastGeluGrad", "BiasFastGeluGrad_dX"])
+def test_tanh_gelu_gradient_in_torch_matches_ort_kernel_and_torch(op_type):
+    generator = np.random.default_rng(0)
+    shape = [3, 5, 37]
+    feeds = {"dy": generator.standard_normal(shape, dtype=np.float32),
+             "x": 3 * generator.standard_normal(shape, dtype=np.float32),
+             "bias": generator.standard_normal(shape[-1:], dtype=np.float32)}
+    model = _gelu_gradient_model(op_type, shape)
+    feeds = {i.name: feeds[i.name] for i in model.graph.input}
+
+    def run(model):
+        register_executor()
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)[0]
+
+    theirs = run(model)
+    assert gelu_grads_in_torch(model) == 1 and op_types(model) == {"ATen"}
+    ours = run(model)
+    x = torch.from_numpy(feeds["x"] + feeds.get("bias", 0))
+    expected = torch.ops.aten.gelu_backward(torch.from_numpy(feeds["dy"]), x, approximate="tanh").numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ours, expected)
+
+
 def test_tanh_gelu_gradient_of_other_types_is_left_alone():
     model = _gelu_gradient_model("FastGeluGrad", [4, 8], dtype=onnx.TensorProto.FLOAT16)
     assert fast_gelu_grad(model) == 0 and op_types(model) == {"FastGeluGrad"}
+    assert gelu_grads_in_torch(model) == 0 and op_types(model) == {"FastGeluGrad"}
 
 
 def test_gpt2_trains_like_torch_with_the_rewritten_gelu_gradient(monkeypatch):
