@@ -23,8 +23,8 @@ def _model(nodes, inputs, outputs):
     graph = helper.make_graph(nodes, "products", [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
                                                   for name, shape in inputs.items()],
                               [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)],
-                             ir_version=8)
+    opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
 def _run(model, feeds):

@@ -8,9 +8,10 @@ largest dim scaled down, so that a large model's compile stays quick), interleav
 of `_ROUNDS` runs after a warmup: other processes on the cores only ever add time, and a library's
 threads that wait on a preempted one add much more (torch's OpenMP barrier more than ONNX Runtime's
 pool), so the median of a busy machine's runs decided by the load, the fastest by the kernels.
-Torch must win by `_MARGIN`, so that near ties stay in ONNX Runtime; a product whose timings are within noise of the margin can still go either way from one
-run to the next (the results then differ by rounding), which is why deterministic compute keeps
-every product in ONNX Runtime (`Sessions.faster_in_torch`).
+Torch must win by `_MARGIN`, so that near ties stay in ONNX Runtime; a product whose timings are
+within noise of the margin can still go either way from one run to the next (the results then
+differ by rounding), which is why deterministic compute keeps every product in ONNX Runtime
+(`Sessions.faster_in_torch`).
 """
 import threading
 import time
@@ -24,7 +25,7 @@ from .._onnx import quiet_session_options
 
 # Products under half a GFLOP stay in ONNX Runtime: a torch node's call costs ~10 us and the
 # measurement 12 runs (the seed model's feed-forward products, 0.2 GFLOP, differ by ~0.1 ms; a
-# GPT-2 width 512's attention input projection over 512 tokens, 0.8 GFLOP: its weight gradient
+# GPT-2 width 512's attention input projection over 512 rows, 0.8 GFLOP: its weight gradient
 # takes MLAS 6.4 ms, torch 4.8 on one thread of the Xeon of BENCHMARKS.md).
 MIN_FLOPS = 5e8
 _MEASURED_FLOPS = 4e9
