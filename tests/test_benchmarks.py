@@ -110,3 +110,13 @@ def test_export_cache_benchmark_reads_the_warm_process_graphs_from_disk(tmp_path
     runs = result["engines"]["ortmodule"]["runs"]  # ORTTrainer's path: tests/test_export_cache.py
     assert [run["traces"] for run in runs["cold"] + runs["warm"]] == [1, 0]
     assert "warm / cold" in done.stdout
+
+
+def test_ortmodule_sweep_benchmark_runs_every_engine_at_every_point(tmp_path):
+    result, _ = _run("ortmodule_sweep.py", "--points", "1x8", "2x4", "--width", "16", "--heads", "2", "--vocab", "40",
+        "--batch", "2", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", tmp_path=tmp_path)
+    assert set(result["points"]) == {"1x8", "2x4"}
+    for point in result["points"].values():
+        assert set(point["median_ms"]) == {"eager", "ortmodule", "ortrainer"}
+        assert max(point["worst_relative_loss_difference"].values()) < 1e-5
+    assert set(result["median_point_speedup"]) == {"eager", "ortmodule", "ortrainer"}

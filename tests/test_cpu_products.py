@@ -23,7 +23,8 @@ def _model(nodes, inputs, outputs):
     graph = helper.make_graph(nodes, "products", [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
                                                   for name, shape in inputs.items()],
                               [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+    opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
 def _run(model, feeds):
@@ -51,6 +52,14 @@ FORMS = {
     "transposed result": (
         [make("Gemm", ["a", "dy"], ["dwt"], transA=1), make("Transpose", ["dwt"], ["dw"], perm=[1, 0]),
          make("Relu", ["dw"], ["y"])], {"a": [3, 5], "dy": [3, 4]}, ["y"], (True, False, 4, 3, 5), ["Relu"]),
+    # a language model's vocabulary projection: a batch of rows by a transposed weight
+    "batch of rows": ([make("Transpose", ["w"], ["wt"], perm=[1, 0]), make("MatMul", ["x", "wt"], ["y"])],
+                      {"x": [2, 5, 3], "w": [4, 3]}, ["y"], (False, True, 10, 3, 4), []),
+    # its input gradient as the gradient builder writes it: dY W, W^T transposed back by the flag
+    "fused matmul, alpha": (
+        [make("Transpose", ["w"], ["wt"], perm=[1, 0]),
+         make("FusedMatMul", ["dy", "wt"], ["dx"], domain="com.microsoft", transB=1, alpha=0.5)],
+        {"dy": [2, 5, 4], "w": [4, 3]}, ["dx"], (False, False, 10, 4, 3), []),
 }
 
 
@@ -71,12 +80,33 @@ def test_a_product_in_torch_computes_what_onnx_runtime_did(name):
 
 
 def test_products_torch_would_not_run_faster_and_batched_ones_stay():
-    nodes = [make("MatMul", ["a", "b"], ["y"]), make("MatMul", ["x", "b"], ["z"])]
-    model = _model(nodes, {"a": [5, 3], "b": [3, 4], "x": [2, 5, 3]}, ["y", "z"])
+    nodes = [make("MatMul", ["a", "b"], ["y"]), make("MatMul", ["x", "v"], ["z"]),
+             make("FusedMatMul", ["x", "b"], ["t"], domain="com.microsoft", transA=1),
+             make("FusedMatMul", ["a", "b"], ["s"], domain="com.microsoft", transBatchA=1)]
+    model = _model(nodes, {"a": [5, 3], "b": [3, 4], "x": [2, 3, 5], "v": [2, 5, 4]}, ["y", "z", "t", "s"])
     seen = []
     assert matrix_products_in_torch(model, lambda form: seen.append(form) or False) == 0
-    assert seen == [(False, False, 5, 3, 4)]  # the batched product is not asked about
-    assert [node.op_type for node in model.graph.node] == ["MatMul", "MatMul"]
+    # two batches, a batch of transposed matrices and a batch-transposing product are not asked about
+    assert seen == [(False, False, 5, 3, 4)]
+    assert [node.op_type for node in model.graph.node] == ["MatMul", "MatMul", "FusedMatMul", "FusedMatMul"]
+
+
+def test_a_transpose_goes_when_every_product_reading_it_went_to_torch():
+    """The weight of a vocabulary projection, transposed once for its forward and its input gradient."""
+    nodes = [make("Transpose", ["w"], ["wt"], perm=[1, 0]), make("MatMul", ["x", "wt"], ["y"]),
+             make("FusedMatMul", ["dy", "wt"], ["dx"], domain="com.microsoft", transB=1)]
+    inputs = {"x": [2, 5, 3], "w": [4, 3], "dy": [2, 5, 4]}
+    model = _model(nodes, inputs, ["y", "dx"])
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in inputs.items()}
+    expected = _run(model, feeds)
+    assert matrix_products_in_torch(model, lambda form: True) == 2
+    assert [node.op_type for node in model.graph.node] == ["ATen", "ATen"]
+    for ours, theirs in zip(_run(model, feeds), expected):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    kept = _model(nodes, inputs, ["y", "dx"])  # only one of them goes: the other still reads it
+    assert matrix_products_in_torch(kept, lambda form: form[1]) == 1
+    assert sorted(node.op_type for node in kept.graph.node) == ["ATen", "FusedMatMul", "Transpose"]
 
 
 @pytest.fixture
@@ -156,7 +186,7 @@ def test_ortmodule_with_its_products_in_torch_trains_as_eager(every_product_in_t
     assert every_product_in_torch
 
 
-def test_a_product_under_a_gflop_is_not_measured():
+def test_a_product_under_half_a_gflop_is_not_measured():
     before = product_speed.measured_products()
     assert product_speed.torch_product_faster((False, False, 700, 200, 800), threads=2) is False  # 0.22 GFLOP
     assert product_speed.measured_products() == before
@@ -175,3 +205,32 @@ def test_a_large_product_is_measured_with_its_largest_dim_scaled_down():
     assert (trans_a, trans_b, k, n) == (True, False, 1024, 768)
     assert 2 * m * k * n == pytest.approx(product_speed._MEASURED_FLOPS, rel=1e-3)
     assert product_speed._scaled((False, False, 700, 200, 8000)) == (False, False, 700, 200, 8000)  # 2.2 GFLOP
+
+
+def test_a_language_model_with_every_product_in_torch_trains_as_eager(every_product_in_torch):
+    """GPT-2 under ORTModule: the vocabulary projection (a batch of rows by the tied embedding,
+    transposed) and its input gradient (the builder's FusedMatMul) run in torch too; losses and
+    every gradient equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=40, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+    eager, wrapped = copy.deepcopy(model), ORTModule(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, wrapped)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, 40, (2, 8), generator=generator)
+        losses = []
+        for module, optimizer in zip((eager, wrapped), optimizers):
+            optimizer.zero_grad()
+            loss = module(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.item())
+        for (name, ours), theirs in zip(wrapped.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+        for optimizer in optimizers:
+            optimizer.step()
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert (False, True, 16, 16, 40) in every_product_in_torch  # the projection, its 2 x 8 rows as one matrix
+    assert (False, False, 16, 40, 16) in every_product_in_torch  # its input gradient, dY W

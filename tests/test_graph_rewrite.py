@@ -16,9 +16,11 @@ from ort_trainer._export import trace as _export
 from ort_trainer._export.binding import bind_inputs
 from ort_trainer._export.trace import graph_name
 from ort_trainer._graph import training_graphs
-from ort_trainer._graph.cpu_kernels import fast_gelu_grad, fast_softmax_cross_entropy, substitute_cpu_kernels
+from ort_trainer._graph.cpu_kernels import (fast_gelu_grad, fast_softmax_cross_entropy, gelu_grads_in_torch,
+                                            substitute_cpu_kernels)
 from ort_trainer._graph.training_graphs import build_graphs
 from ort_trainer._onnx import quiet_session_options
+from ort_trainer._runtime.torch_ops import register_executor
 
 from . import models
 
@@ -243,7 +245,9 @@ def _gelu_gradient_model(op_type, shape, dtype=onnx.TensorProto.FLOAT):
 
 @pytest.mark.parametrize("op_type", ["FastGeluGrad", "BiasFastGeluGrad_dX"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_tanh_gelu_gradient_rewrite_matches_ort_kernel_and_torch(op_type, seed):
+@pytest.mark.parametrize("rewrite", [fast_gelu_grad, gelu_grads_in_torch])
+def test_tanh_gelu_gradient_rewrite_matches_ort_kernel_and_torch(op_type, seed, rewrite):
+    """As ONNX nodes (within 1e-5 of torch's gelu_backward) or as torch's kernel itself (equal)."""
     generator = np.random.default_rng(seed)
     shape = [int(size) for size in generator.integers(1, 9, size=generator.integers(1, 4))] + [37]
     feeds = {"dy": generator.standard_normal(shape, dtype=np.float32),
@@ -253,21 +257,26 @@ def test_tanh_gelu_gradient_rewrite_matches_ort_kernel_and_torch(op_type, seed):
     feeds = {i.name: feeds[i.name] for i in model.graph.input}
 
     def run(model):
+        register_executor()
         session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         return session.run(None, feeds)[0]
 
     theirs = run(model)
-    assert fast_gelu_grad(model) == 1 and not {"FastGeluGrad", "BiasFastGeluGrad_dX"} & op_types(model)
+    assert rewrite(model) == 1 and not {"FastGeluGrad", "BiasFastGeluGrad_dX"} & op_types(model)
+    assert ("ATen" in op_types(model)) == (rewrite is gelu_grads_in_torch)
     ours = run(model)
     x = torch.from_numpy(feeds["x"] + feeds.get("bias", 0))
     expected = torch.ops.aten.gelu_backward(torch.from_numpy(feeds["dy"]), x, approximate="tanh").numpy()
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    if rewrite is gelu_grads_in_torch:
+        np.testing.assert_array_equal(ours, expected)
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_tanh_gelu_gradient_of_other_types_is_left_alone():
     model = _gelu_gradient_model("FastGeluGrad", [4, 8], dtype=onnx.TensorProto.FLOAT16)
     assert fast_gelu_grad(model) == 0 and op_types(model) == {"FastGeluGrad"}
+    assert gelu_grads_in_torch(model) == 0 and op_types(model) == {"FastGeluGrad"}
 
 
 def test_gpt2_trains_like_torch_with_the_rewritten_gelu_gradient(monkeypatch):

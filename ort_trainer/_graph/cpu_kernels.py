@@ -1,7 +1,8 @@
 """Kernel substitutions for graphs that run on the CPU provider (`kernel_substitutions`).
 
-ORT's CPU kernels of the softmax cross-entropy (and its gradient) and of the embedding gradient
-are single-threaded; these rewrites give the same math with threaded kernels (BENCHMARKS.md).
+ORT's CPU kernels of the softmax cross-entropy (and its gradient), of the embedding gradient and
+of the tanh-GELU gradient are single-threaded; these rewrites give the same math with threaded
+kernels (BENCHMARKS.md): the GELU gradient torch's, where the graph may run torch kernels.
 Reductions of a whole tensor run in torch, whose pairwise sums are exact to float rounding
 where ORT's running sum was off by 1.7e-5 relative over 1M elements (a mean-squared loss).
 Gradients the CPU provider has no kernel for (ResizeGrad, ConvTransposeGrad) run torch's backward
@@ -14,7 +15,7 @@ import re
 
 import onnx
 
-from .._export.torch_node_symbolics import FUNCTION
+from .._export.torch_node_symbolics import FUNCTION, TORCH_OP_PREFIX
 from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset, torch_node
 from .cpu_products import matrix_products_in_torch
 from .torch_node_shapes import set_value_info
@@ -30,9 +31,12 @@ def kernel_substitutions(device_type):
 
 def substitute_cpu_kernels(training, evaluation, *, faster_in_torch=None):
     """Rewrites the built training and eval graphs (ModelProtos) in place. `faster_in_torch`: the
-    decision of which fp32 products run in torch (`_graph.cpu_products`); None: none does."""
+    decision of which fp32 products run in torch (`_graph.cpu_products`); None: none does, and the
+    tanh-GELU gradient stays ONNX nodes (deterministic and ORT_PARALLEL sessions)."""
     fast_softmax_cross_entropy(training)
     fast_gather_grad(training)
+    if faster_in_torch is not None:
+        gelu_grads_in_torch(training)
     fast_gelu_grad(training)
     substitute_torch_kernels(training)
     fast_softmax_cross_entropy(evaluation)
@@ -225,6 +229,30 @@ def fast_gather_grad(model):
 
 
 _GELU_GRADS = {"FastGeluGrad": False, "BiasFastGeluGrad_dX": True}  # op -> whether it takes a bias
+GELU_GRAD = TORCH_OP_PREFIX + "tanh_gelu_grad"  # run by `_runtime.torch_ops`: torch's gelu_backward
+
+
+def _float_gelu_grads(model):
+    """The positions of the FastGeluGrad and BiasFastGeluGrad_dX nodes of `model` whose gradient is float32."""
+    graph = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
+    return {k for k, node in enumerate(graph.node) if node.domain == "com.microsoft" and node.op_type in _GELU_GRADS
+            and types.get(node.output[0]) == onnx.TensorProto.FLOAT}
+
+
+def gelu_grads_in_torch(model):
+    """Replaces ORT's float32 FastGeluGrad and BiasFastGeluGrad_dX by one torch node each, torch's
+    threaded `gelu_backward(approximate='tanh')` (the bias added first), in place; returns how many.
+
+    Why: ORT's kernel is single-threaded and `fast_gelu_grad`'s 15 elementwise nodes pass over the
+    tensor 15 times: (8, 128, 1024) takes 3.0 ms there, 0.9 ms in torch (BENCHMARKS.md), per layer
+    and step. For graphs that may run torch kernels (`substitute_cpu_kernels`)."""
+    chosen = _float_gelu_grads(model)
+    nodes = [torch_node(GELU_GRAD, list(node.input), list(node.output), name=f"{node.name or node.output[0]}/torch",
+                        params={}) if k in chosen else node for k, node in enumerate(model.graph.node)]
+    if chosen:
+        replace_nodes(model, nodes)
+    return len(chosen)
 
 
 def fast_gelu_grad(model):
@@ -239,12 +267,11 @@ def fast_gelu_grad(model):
     Returns the number of nodes replaced.
     """
     graph, make = model.graph, onnx.helper.make_node
-    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
+    chosen = _float_gelu_grads(model)
     k, c = math.sqrt(2 / math.pi), 0.044715
     nodes, replaced = [], 0
-    for node in graph.node:
-        if (node.domain != "com.microsoft" or node.op_type not in _GELU_GRADS
-                or types.get(node.output[0]) != onnx.TensorProto.FLOAT):
+    for position, node in enumerate(graph.node):
+        if position not in chosen:
             nodes.append(node)
             continue
         p = f"{node.output[0]}/fast_gelu_grad/"

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
 from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
+from .._graph.cpu_kernels import GELU_GRAD
 from .._graph.cpu_products import MATRIX_PRODUCT
 from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, TO_FP32
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD,
@@ -336,6 +337,9 @@ IMPLEMENTATIONS = {
     TO_BF16: lambda inputs, params: [converted(inputs[0], torch.bfloat16)],
     TO_FP32: lambda inputs, params: [converted(inputs[0], torch.float32)],
     LOG_SOFTMAX_FP32: _log_softmax_fp32,
+    GELU_GRAD: lambda inputs, params: [torch.ops.aten.gelu_backward.grad_input(  # dy, x (+ the bias, if any)
+        inputs[0], inputs[1] + inputs[2] if len(inputs) > 2 else inputs[1], approximate="tanh",
+        grad_input=empty(inputs[0].shape, torch.float32))],
     MUL_TO_BF16: _mul_to_bf16,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }

@@ -123,10 +123,18 @@ def _vector_product_gradient(grad, a, b, operand):
 
 
 def matrix_product(inputs, params):
-    """An fp32 2-D product in ONNX Gemm's terms (`_graph.cpu_products`): alpha op(A) op(B) + beta C,
-    the transposes read as views."""
+    """An fp32 product in ONNX Gemm's terms (`_graph.cpu_products`): alpha op(A) op(B) + beta C,
+    the transposes read as views; an A of more than two dims is a batch of rows (untransposed),
+    multiplied as one matrix of all its rows. Written into a pooled buffer (`cpu_buffers`: a
+    vocabulary projection's 32 MiB result into fresh memory paid a page fault per 4 KiB)."""
     a, b = _transposed(inputs[0], params["trans_a"]), _transposed(inputs[1], params["trans_b"])
+    rows = a.shape[:-1]
+    a = a.reshape(-1, a.shape[-1])
+    result = empty((a.shape[0], b.shape[1]), torch.float32)
     if len(inputs) > 2:
-        return [torch.addmm(inputs[2], a, b, beta=params["beta"], alpha=params["alpha"])]
-    result = torch.mm(a, b)
-    return [result.mul_(params["alpha"]) if params["alpha"] != 1.0 else result]
+        torch.addmm(inputs[2], a, b, beta=params["beta"], alpha=params["alpha"], out=result)
+    else:
+        torch.mm(a, b, out=result)
+        if params["alpha"] != 1.0:
+            result.mul_(params["alpha"])
+    return [result.view(*rows, result.shape[-1])]
