@@ -1,12 +1,17 @@
 """What the READMEs promise is what a reader gets: the first snippet runs as written, and every error
 message they quote (`"..."` in backticks) is the message the code raises today."""
+import contextlib
+import io
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from examples.gpt2 import train as gpt2
+from examples.wikitext2 import train as wikitext2
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,9 +24,24 @@ def quoted_messages():
 
 
 def _message(call):
-    with pytest.raises(Exception) as error:
+    """The message of what ``call`` raises; for the examples' command-line errors (SystemExit), the
+    text after ``error: `` (on stderr for argparse's)."""
+    stderr = io.StringIO()
+    with pytest.raises(BaseException) as error, contextlib.redirect_stderr(stderr):
         call()
+    if isinstance(error.value, SystemExit):
+        text = error.value.code if isinstance(error.value.code, str) else stderr.getvalue().strip()
+        return text.split("error: ", 1)[1]
     return str(error.value)
+
+
+def _without(module, call):
+    def run():
+        with pytest.MonkeyPatch.context() as patch:
+            for name in {module, *(name for name in sys.modules if name.split(".")[0] == module)}:
+                patch.setitem(sys.modules, name, None)   # `import module(.sub)` now raises ImportError
+            call()
+    return run
 
 
 def _untrained_export():
@@ -37,6 +57,12 @@ TRIGGERS = {
     "Invalid AdamConfig: params[0].lr: cannot be set per parameter group (lr is global), got 0.1":
         lambda: optim.AdamConfig(params=[{"params": ["w"], "lr": 0.1}]),
     "export_onnx() needs a sample batch: call train_step() or eval_step() once first": _untrained_export,
+    "--mixed-precision applies to --engine ort and torch; transformers.Trainer has its own (its fp16/bf16 arguments)":
+        lambda: gpt2.parse_args(["--engine", "hf-trainer", "--mixed-precision", "--train-file", __file__]),
+    "--compare draws its picture with matplotlib, which is not installed: pip install matplotlib (or pip install -e "
+    "'.[examples]')": _without("matplotlib", lambda: wikitext2.parse_args(["--data", __file__, "--compare", "x.png"])),
+    "--mlflow needs MLflow, which is not installed: pip install mlflow-skinny (or pip install -e '.[examples]')":
+        _without("mlflow", lambda: wikitext2.parse_args(["--data", __file__, "--mlflow"])),
 }
 
 
