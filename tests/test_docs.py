@@ -83,3 +83,16 @@ def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="fixed to the sample batch's sizes"):   # MultiheadAttention's bptt
         exec(compile(snippet.replace("ntokens = 1000", "ntokens = 50"), "README.md", "exec"), {})
     assert (tmp_path / "model.onnx").stat().st_size > 0
+
+
+def test_the_test_command_says_how_long_and_gives_a_quick_first_check():
+    from tests.conftest import QUICK
+
+    development = (ROOT / "README.md").read_text().split("## Development\n")[1]
+    assert re.search(r"`python -m pytest -q`: about [\d,]+ tests, about \d+ minutes on 2 idle CPU cores", development)
+    assert "`python -m pytest -q -m quick`" in development
+    assert "quick:" in (ROOT / "pytest.ini").read_text()   # a registered marker
+    assert len({test.split("::")[0] for test in QUICK}) >= 5   # across the stages
+    for test in QUICK:
+        path, name = test.split("::")
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), test
