@@ -97,6 +97,18 @@ def test_evaluation_shows_a_progress_bar_on_a_terminal(name, monkeypatch):
     assert quiet_terminal.getvalue() == ""
 
 
+def test_trainer_evaluation_shows_a_progress_bar_on_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", terminal := _Terminal())
+    args = argparse.Namespace(quiet=False, logging_steps=1)
+    recorder = gpt2._TrainerRecorder(args, total_updates=1, name="hf-trainer")
+    for _ in range(3):   # as transformers.Trainer.evaluate calls its callbacks
+        recorder.on_prediction_step(None, None, None, eval_dataloader=[0, 1, 2])
+    assert re.search(r"eval: +\d+%.*/3 ", terminal.getvalue())
+    recorder.on_evaluate(None, None, None, metrics={"eval_loss": 1.0})
+    assert recorder.eval_bar is None
+    recorder.close()
+
+
 def _no_probe(*args, **kwargs):
     raise AssertionError("probed the network although HF_HUB_OFFLINE is set")
 

@@ -297,6 +297,7 @@ class _TrainerRecorder(TrainerCallback):
         self.args, self.total_updates = args, total_updates
         self.history = {"update_losses": [], "learning_rates": [], "update_seconds": [], "epochs": []}
         self.bar = progress(total=total_updates, desc=name, unit="update", leave=True, args=args)
+        self.eval_bar = None   # one per evaluation
         self.start, self.training = None, False
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -321,7 +322,15 @@ class _TrainerRecorder(TrainerCallback):
         self.history["learning_rates"].append(logs["learning_rate"])
         report_progress(self.args, self.history, math.ceil(state.epoch), self.total_updates)
 
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if self.eval_bar is None:
+            self.eval_bar = progress(total=len(eval_dataloader), desc="eval", unit="batch", args=self.args)
+        self.eval_bar.update()
+
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.eval_bar is not None:
+            self.eval_bar.close()
+            self.eval_bar = None
         if not self.training:   # the final evaluation: main() reports it
             return
         result = evaluation_result(metrics)
