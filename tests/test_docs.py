@@ -20,7 +20,7 @@ DOCS = [ROOT / "README.md", ROOT / "DESIGN.md", *sorted((ROOT / "examples").glob
 
 def quoted_messages():
     """Every `"..."` of the docs: by the docs' convention, an error message quoted verbatim."""
-    return sorted({message for doc in DOCS for message in re.findall(r'`"([^`]+)"`', doc.read_text())})
+    return sorted({message for doc in DOCS for message in re.findall(r'`"([^`]+)"`', doc.read_text(encoding="utf-8"))})
 
 
 def _message(call):
@@ -77,7 +77,7 @@ def test_every_trigger_is_still_quoted():
 
 
 def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch):
-    snippet = (ROOT / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    snippet = (ROOT / "README.md").read_text(encoding="utf-8").split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match="fixed to the sample batch's sizes"):   # MultiheadAttention's bptt
@@ -88,11 +88,11 @@ def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch):
 def test_the_test_command_says_how_long_and_gives_a_quick_first_check():
     from tests.conftest import QUICK
 
-    development = (ROOT / "README.md").read_text().split("## Development\n")[1]
+    development = (ROOT / "README.md").read_text(encoding="utf-8").split("## Development\n")[1]
     assert re.search(r"`python -m pytest -q`: about [\d,]+ tests, about \d+ minutes on 2 idle CPU cores", development)
     assert "`python -m pytest -q -m quick`" in development
-    assert "quick:" in (ROOT / "pytest.ini").read_text()   # a registered marker
+    assert "quick:" in (ROOT / "pytest.ini").read_text(encoding="utf-8")   # a registered marker
     assert len({test.split("::")[0] for test in QUICK}) >= 5   # across the stages
     for test in QUICK:
         path, name = test.split("::")
-        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), test
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(encoding="utf-8"), re.M), test

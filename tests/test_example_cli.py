@@ -26,7 +26,8 @@ def text(tmp_path_factory):
 
 def readme_options(name):
     """{flag: first cell} of the README's Options table."""
-    section = (ROOT / "examples" / name / "README.md").read_text().split("## Options\n")[1].split("\n## ")[0]
+    readme = (ROOT / "examples" / name / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Options\n")[1].split("\n## ")[0]
     rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `--")]
     return {flag.replace("_", "-"): row for row in rows for flag in re.findall(r"--[a-z0-9_-]+", row)}
 
@@ -41,7 +42,8 @@ def test_options_table_lists_every_flag_and_only_those(name):
     assert sorted(table) == sorted(flags)
     for flag, action in flags.items():
         if action.choices:   # the row names every choice
-            assert set(re.findall(r"[\w-]+", table[flag].replace("_", "-").split(flag)[1])) == set(map(str, action.choices)), flag
+            listed = re.findall(r"[\w-]+", table[flag].replace("_", "-").split(flag)[1])
+            assert set(listed) == set(map(str, action.choices)), flag
         underscored = "--" + flag[2:].replace("-", "_")   # every flag has its underscore spelling too
         assert action.option_strings[1:] == ([underscored] if "-" in flag[2:] else [])
 
@@ -189,7 +191,7 @@ def test_wikitext2_compare_and_mlflow(text, tmp_path, monkeypatch):
     rows = _compare_outputs(tmp_path / "out" / "loss.png", "batch", {"torch": 3, "ort": 3})
     assert [float(row["loss"]) for row in rows[:3]] == results["torch"]["train_losses"]
     assert results["ort"]["train_losses"] == pytest.approx(results["torch"]["train_losses"], rel=1e-4)
-    assert '"train_losses"' in (tmp_path / "out" / "metrics.json").read_text()
+    assert '"train_losses"' in (tmp_path / "out" / "metrics.json").read_text(encoding="utf-8")
     client, runs = _runs(tmp_path / "mlruns", "examples.wikitext2")
     assert sorted(runs) == ["ort", "torch"]
     for engine, run in runs.items():
