@@ -34,6 +34,7 @@ setup(
         "test": ["pytest", "tqdm", "transformers==4.57.1", "accelerate==1.11.0", "h5py", "peft==0.17.1"],
         # Resuming from the original ORTTrainer's HDF5 checkpoints.
         "legacy": ["h5py"],
-        "examples": ["tqdm", "transformers==4.57.1", "accelerate==1.11.0"],
+        # matplotlib: --compare's picture; mlflow-skinny: --mlflow (logging to a local store, no server).
+        "examples": ["tqdm", "transformers==4.57.1", "accelerate==1.11.0", "matplotlib>=3.7", "mlflow-skinny>=2.10"],
     },
 )

@@ -3,7 +3,11 @@ import importlib
 from importlib import metadata
 
 _DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnxruntime-training-cpu")
-_INSTALL = "pip install 'ort-trainer[cpu]' (CPU) or 'ort-trainer[gpu]' (CUDA)"
+# ort-trainer is not on PyPI: these install it, with its ONNX Runtime, from a checkout (README, Install).
+CPU_INSTALL = "pip install -e '.[cpu]'"
+GPU_INSTALL = "pip install -e '.[gpu]'"
+FROM_CHECKOUT = "in the ort-trainer checkout"
+_INSTALL = f"{CPU_INSTALL} (CPU) or {GPU_INSTALL} (CUDA) {FROM_CHECKOUT} (README, Install)"
 
 
 def _installed():

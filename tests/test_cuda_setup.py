@@ -50,13 +50,14 @@ def test_a_library_that_cannot_load_names_its_wheel(monkeypatch):
     with pytest.raises(CudaUnavailable, match=re.escape(
             "device.id asks for CUDA, but libnot-there.so.11 cannot be loaded (")) as error:
         preload_cuda11_libraries()
-    assert str(error.value).endswith("install the nvidia-not-there-cu11 wheel (pip install 'ort-trainer[gpu]')")
+    assert str(error.value).endswith(
+        "install the nvidia-not-there-cu11 wheel (pip install -e '.[gpu]' in the ort-trainer checkout)")
 
 
 def test_an_ort_build_without_cuda_is_named():
     with pytest.raises(CudaUnavailable, match=re.escape(
             f"device.id asks for CUDA, but the installed ONNX Runtime {onnxruntime.__version__} has no "
-            "CUDAExecutionProvider (a CPU build?): pip install 'ort-trainer[gpu]'")):
+            "CUDAExecutionProvider (a CPU build?): pip install -e '.[gpu]' in the ort-trainer checkout")):
         require_cuda(0)
 
 

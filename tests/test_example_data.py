@@ -118,19 +118,26 @@ def _short_run(data, *extra):
             "--dropout", "0", "--quiet", *extra]
 
 
-def test_train_pytorch_end_to_end(text_slice, tmp_path, capsys):
-    argv = _short_run(text_slice, "--engine", "pytorch", "--checkpoint-dir", str(tmp_path / "ckpt"))
+def test_train_torch_end_to_end(text_slice, tmp_path, capsys):
+    argv = _short_run(text_slice, "--engine", "torch", "--checkpoint-dir", str(tmp_path / "ckpt"))
     metrics = main(argv + ["--json", str(tmp_path / "m.json")])
     assert metrics["train_batches"] == 3 and len(metrics["epochs"]) == 1
     assert metrics == json.loads((tmp_path / "m.json").read_text())
     assert 0 < metrics["test_loss"] < 10 and metrics["epochs"][0]["valid_ppl"] > 1
     assert "| End of training | test loss" in capsys.readouterr().out
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch0001.meta.pt", "epoch0001.pytorch"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch0001.meta.pt", "epoch0001.torch"]
+    assert len(metrics["train_losses"]) == 3 == len(metrics["train_ms"])
+    # a folder written when the engine was called "pytorch" resumes too
+    old = tmp_path / "old"
+    old.mkdir()
+    (tmp_path / "ckpt" / "epoch0001.torch").rename(old / "epoch0001.pytorch")
+    torch.save({**torch.load(tmp_path / "ckpt" / "epoch0001.meta.pt"), "engine": "pytorch"}, old / "epoch0001.meta.pt")
 
-    resumed = main(argv + ["--epochs", "2"])
+    resumed = main(argv[:-1] + [str(old), "--epochs", "2"])
     assert "resumed from" in capsys.readouterr().out
     assert [e["epoch"] for e in resumed["epochs"]] == [1, 2]
     assert resumed["epochs"][0] == metrics["epochs"][0]
+    assert resumed["train_losses"][:3] == metrics["train_losses"] and len(resumed["train_losses"]) == 6
 
 
 def test_cli_without_data_is_a_clear_error(tmp_path):

@@ -33,7 +33,7 @@ def test_dropout_off_per_batch_losses_agree_for_50_batches(text):
     """1e-4 for the first 20 batches, then the chaos floor: training amplifies rounding. Measured
     on this text: PyTorch against itself with only clip_grad_norm_'s epsilon removed (a 1e-7
     relative change) drifts to 1.6e-4 by batch 50; ORTTrainer against PyTorch to 1.1e-4."""
-    expected = per_batch_losses("pytorch", text, 50)
+    expected = per_batch_losses("torch", text, 50)
     ours = per_batch_losses("ort", text, 50)
     assert len(ours) == 50
     for batch, (a, b) in enumerate(zip(ours, expected)):
@@ -45,7 +45,7 @@ def test_mixed_precision_per_batch_losses_agree_with_autocast(text):
     """--mixed-precision: ORTTrainer in fp16 against the PyTorch loop under torch.autocast with a
     GradScaler. Both round at the products, not at every same op (tests/test_mixed_precision.py):
     measured 1e-4 over 20 batches, allowed 5e-4."""
-    expected = per_batch_losses("pytorch", text, 20, "--mixed-precision")
+    expected = per_batch_losses("torch", text, 20, "--mixed-precision")
     ours = per_batch_losses("ort", text, 20, "--mixed-precision")
     for batch, (a, b) in enumerate(zip(ours, expected)):
         assert abs(a - b) <= 5e-4 * abs(b), (batch, a, b)
@@ -53,7 +53,7 @@ def test_mixed_precision_per_batch_losses_agree_with_autocast(text):
 
 def test_one_epoch_with_dropout_validation_ppl_agrees_within_3_percent(text):
     common = ["--data", str(text), "--epochs", "1", "--quiet"]
-    reference = main(common + ["--engine", "pytorch"])
+    reference = main(common + ["--engine", "torch"])
     ours = main(common + ["--engine", "ort"])
     assert ours["train_batches"] == reference["train_batches"] > 50
     ppl, expected = ours["epochs"][0]["valid_ppl"], reference["epochs"][0]["valid_ppl"]

@@ -220,5 +220,5 @@ def test_missing_cupy_says_what_to_install(monkeypatch):
     layout = FlatLayout.from_sizes([[4]], [ADAM])
     for _ in range(2):  # the recorded error is raised again, with the same context
         with pytest.raises(ImportError, match=re.escape(
-                "CuPy is required for the GPU optimizer: pip install 'ort-trainer[gpu]'")):
+                "CuPy is required for the GPU optimizer: pip install -e '.[gpu]' in the ort-trainer checkout")):
             K.layout_table(layout, "adam")

@@ -1,4 +1,5 @@
 """Install-level behaviour: the ImportError without a training build, package data in the wheel."""
+import re
 import subprocess
 import sys
 import zipfile
@@ -21,7 +22,8 @@ def test_inference_only_onnxruntime_is_named_in_the_import_error(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: ort-trainer needs ONNX Runtime's training build, but onnxruntime-training-cpu==")
     assert last.endswith("is installed, an inference-only build without the gradient builder. Uninstall it, then "
-                         "pip install 'ort-trainer[cpu]' (CPU) or 'ort-trainer[gpu]' (CUDA)")
+                         "pip install -e '.[cpu]' (CPU) or pip install -e '.[gpu]' (CUDA) in the ort-trainer "
+                         "checkout (README, Install)")
 
 
 def test_missing_onnxruntime_says_which_extra_to_install(tmp_path):
@@ -30,7 +32,30 @@ def test_missing_onnxruntime_says_which_extra_to_install(tmp_path):
                             env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert result.stderr.strip().splitlines()[-1] == (
         "ImportError: ort-trainer needs ONNX Runtime's training build, and onnxruntime is not importable "
-        "(No module named onnxruntime): pip install 'ort-trainer[cpu]' (CPU) or 'ort-trainer[gpu]' (CUDA)")
+        "(No module named onnxruntime): pip install -e '.[cpu]' (CPU) or pip install -e '.[gpu]' (CUDA) in the "
+        "ort-trainer checkout (README, Install)")
+
+
+def test_install_advice_names_checkout_commands_the_readme_gives():
+    """ort-trainer is not on PyPI: every install command an error names installs the checkout with
+    one of setup.py's extras, and README's Install section gives that same command."""
+    from ort_trainer import _install
+    from ort_trainer._optimizers import cuda_launch
+    from ort_trainer._runtime import cuda
+
+    install_section = (ROOT / "README.md").read_text(encoding="utf-8").split("## Install\n")[1].split("\n## ")[0]
+    extras = (ROOT / "setup.py").read_text(encoding="utf-8").split("extras_require=")[1]
+    named = []
+    for message in (_install._INSTALL, cuda._GPU_EXTRA, cuda_launch._INSTALL_HINT):
+        commands = re.findall(r"pip install [^(]*?'[^']*'", message)
+        assert commands, message
+        for command in commands:
+            extra = re.fullmatch(r"pip install -e '\.\[(\w+)\]'", command)
+            assert extra, f"{command!r} does not install the checkout"
+            assert f'"{extra[1]}": [' in extras
+            assert f"`{command}`" in install_section
+            named.append(extra[1])
+    assert set(named) == {"cpu", "gpu"}
 
 
 @pytest.mark.slow

@@ -192,7 +192,7 @@ def test_cuda_without_a_gpu_build_is_a_clear_error_not_a_cpu_fallback():
         pytest.skip("this ONNX Runtime has a CUDA provider")
     with pytest.raises(RuntimeError, match=re.escape(
             "device.id asks for CUDA, but the installed ONNX Runtime 1.19.2 has no CUDAExecutionProvider "
-            "(a CPU build?): pip install 'ort-trainer[gpu]'")):
+            "(a CPU build?): pip install -e '.[gpu]' in the ort-trainer checkout")):
         mlp_trainer(device={"id": "cuda:0"})
 
 

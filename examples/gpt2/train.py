@@ -6,6 +6,7 @@ Hugging Face's Trainer on ORTModule(model) or on the plain model.
     python -m examples.gpt2 --engine hf-trainer               # transformers.Trainer on ORTModule(model)
     python -m examples.gpt2 --engine hf-trainer-torch         # the same Trainer run on the plain model
     python -m examples.gpt2 --engine ort --model_name_or_path gpt2 --block-size 512 ...
+    python -m examples.gpt2 --compare loss.png        # ort and torch on the same batches: loss.png, loss.csv
 
 The seed's ``run_lm_gpt2.sh`` recipe (Hugging Face's language-modeling example with ORT): blocks
 of ``--block-size`` tokens, AdamW (weight decay 0.01, none on biases and LayerNorm weights),
@@ -19,24 +20,31 @@ engines share the data, the model and the reporting, and leave the loop and eval
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
+import os
 import random
+import socket
 import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 if not __package__:   # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import huggingface_hub
 import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
+from examples._cli import add_engine_option, add_option, description, progress
+from examples._report import add_report_options, check_report_packages, log_mlflow, plot_losses, write_steps_csv
 from examples.gpt2.data import BlockDataset, DataError, load_blocks, read_lines, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -288,7 +296,8 @@ class _TrainerRecorder(TrainerCallback):
     def __init__(self, args, total_updates, name):
         self.args, self.total_updates = args, total_updates
         self.history = {"update_losses": [], "learning_rates": [], "update_seconds": [], "epochs": []}
-        self.bar = tqdm(total=total_updates, desc=name, unit="update", disable=args.quiet or not sys.stderr.isatty())
+        self.bar = progress(total=total_updates, desc=name, unit="update", leave=True, args=args)
+        self.eval_bar = None   # one per evaluation
         self.start, self.training = None, False
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -313,7 +322,15 @@ class _TrainerRecorder(TrainerCallback):
         self.history["learning_rates"].append(logs["learning_rate"])
         report_progress(self.args, self.history, math.ceil(state.epoch), self.total_updates)
 
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if self.eval_bar is None:
+            self.eval_bar = progress(total=len(eval_dataloader), desc="eval", unit="batch", args=self.args)
+        self.eval_bar.update()
+
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.eval_bar is not None:
+            self.eval_bar.close()
+            self.eval_bar = None
         if not self.training:   # the final evaluation: main() reports it
             return
         result = evaluation_result(metrics)
@@ -333,7 +350,7 @@ def evaluate(engine, blocks, batch_size):
     """Mean loss per predicted token over ``blocks``, its perplexity, and with --fetch-logits the
     next-token accuracy (all blocks have the same length, so batches weigh by their size)."""
     total_loss, correct = 0.0, 0
-    for start in range(0, len(blocks), batch_size):
+    for start in progress(range(0, len(blocks), batch_size), desc="eval", unit="batch", args=engine.args):
         batch = blocks[start:start + batch_size]
         loss, logits = engine.eval_step(batch)
         total_loss += loss.item() * len(batch)
@@ -364,7 +381,7 @@ def train(engine, blocks, args, total_updates):
     updates_per_epoch = len(blocks.train) // (batch * accumulation)   # an epoch's leftover blocks are skipped
     shuffle = torch.Generator().manual_seed(args.seed)
     history = {"update_losses": [], "learning_rates": [], "update_seconds": [], "epochs": []}
-    bar = tqdm(total=total_updates, desc=args.engine, unit="update", disable=args.quiet or not sys.stderr.isatty())
+    bar = progress(total=total_updates, desc=args.engine, unit="update", leave=True, args=args)
     for epoch in range(1, math.ceil(total_updates / updates_per_epoch) + 1):
         order = torch.randperm(len(blocks.train), generator=shuffle).to(blocks.train.device)
         for index in range(min(updates_per_epoch, total_updates - len(history["update_losses"]))):
@@ -391,14 +408,53 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
+HUB_PROBE_TIMEOUT_S = 3.0
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def hub_unreachable():
+    """Why the Hugging Face hub cannot be reached now (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set, or
+    one TCP connection to it failing within a few seconds), or None when it can."""
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(variable, "").upper() in _TRUE:
+            return f"{variable}={os.environ[variable]}"
+    endpoint = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        return f"{endpoint.hostname} does not answer: {exc}"
+    return None
+
+
+def pretrained_source(name):
+    """from_pretrained's keyword arguments for ``name``: a folder or a reachable hub as they are, the
+    Hugging Face cache alone when the hub is out of reach; with neither, a SystemExit at once
+    (instead of a minute of Hugging Face's retries)."""
+    if Path(name).is_dir():
+        return {}
+    reason = hub_unreachable()
+    if reason is None:
+        return {}
+    try:
+        cached = isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:   # not a valid hub name either
+        cached = False
+    if cached:
+        return {"local_files_only": True}
+    raise SystemExit(f"error: --model_name_or_path {name}: no such folder, not in the Hugging Face cache, and the "
+                     f"hub is out of reach ({reason}); download it where there is network "
+                     f"(save_pretrained) and pass its folder")
+
+
 def build_model_and_tokenizer(args, train_lines):
     """The pretrained GPT-2 and its tokenizer (--model_name_or_path), or a small GPT-2 from scratch
     with a BPE tokenizer trained on the training text. The model comes back in train mode."""
     dropout = {} if args.dropout is None else {key: args.dropout for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     if args.model_name_or_path:
+        source = pretrained_source(args.model_name_or_path)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-            model = GPT2LMHeadModel.from_pretrained(args.model_name_or_path, **dropout)
+            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **source)
+            model = GPT2LMHeadModel.from_pretrained(args.model_name_or_path, **dropout, **source)
         except (OSError, ValueError) as exc:   # not a model folder, no network, not a GPT-2 checkpoint
             where = "" if Path(args.model_name_or_path).is_dir() else "no such folder, and from the Hugging Face hub: "
             raise SystemExit(f"error: --model_name_or_path {args.model_name_or_path}: {where}{exc}") from exc
@@ -447,15 +503,15 @@ def _float_in(low, high, high_open=False):
     return parse
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m examples.gpt2", description=__doc__.split("\n")[0])
+def make_parser():
+    """The example's flags (README, Options: tests/test_example_cli.py checks the table against them)."""
+    p = argparse.ArgumentParser(prog="python -m examples.gpt2", description=description(__doc__))
 
     def option(name, **kwargs):
-        """``--some-flag``, also spelled ``--some_flag`` as in Hugging Face's scripts."""
-        p.add_argument(f"--{name}", *([f"--{name.replace('-', '_')}"] if "-" in name else []), **kwargs)
+        add_option(p, name, **kwargs)
 
-    option("engine", choices=sorted(ENGINES), default="ort", help="who does the training step (default: ort): "
-           "ORTTrainer, the PyTorch loop, or transformers.Trainer on ORTModule(model) / on the plain model")
+    add_engine_option(p, ENGINES, "ort", "who does the training step: ORTTrainer, the PyTorch loop, or "
+                      "transformers.Trainer on ORTModule(model) / on the plain model")
     option("model-name-or-path", help="pretrained GPT-2: a Hugging Face hub name or a local folder "
            "(default: a small GPT-2 from scratch with a BPE tokenizer trained on --train-file)")
     option("mixed-precision", choices=["float16", "bfloat16"], nargs="?", const="float16",
@@ -497,8 +553,17 @@ def parse_args(argv=None):
     option("device", choices=["cpu", "cuda"], default="cpu")
     option("output-dir", type=Path, help="write checkpoint.<engine>.pt, model/ (save_pretrained) and metrics.json")
     option("quiet", action="store_true", help="no progress bar and no log lines")
+    add_report_options(p, "--engine ort and torch", "update", "eval loss")
+    return p
+
+
+def parse_args(argv=None):
+    p = make_parser()
     args = p.parse_args(argv)
 
+    if args.compare and args.engine.startswith("hf-trainer"):
+        p.error(f"--compare trains with --engine ort and torch; not with --engine {args.engine}")
+    check_report_packages(args)
     if args.mixed_precision and args.engine.startswith("hf-trainer"):
         p.error("--mixed-precision applies to --engine ort and torch; transformers.Trainer has its own "
                 "(its fp16/bf16 arguments)")
@@ -528,8 +593,29 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    wall_start = time.perf_counter()
+    """One run with --engine; with --compare, one with each loop engine (their metrics by engine name)."""
     args = parse_args(argv)
+    if not args.compare:
+        return run(args)
+    results, runs = {}, {}
+    for name in ("ort", "torch"):
+        engine_args = copy.copy(args)
+        engine_args.engine = name
+        if args.output_dir:
+            engine_args.output_dir = args.output_dir / name
+        results[name] = run(engine_args)
+        runs[name] = {"loss": results[name]["update_losses"],
+                      "ms": [1000 * seconds for seconds in results[name]["update_seconds"]]}
+    args.compare.parent.mkdir(parents=True, exist_ok=True)
+    write_steps_csv(args.compare.with_suffix(".csv"), runs, "update")
+    plot_losses(args.compare, runs, "examples.gpt2: training loss per update", "update")
+    print(f"| loss curves: {args.compare}, {args.compare.with_suffix('.csv')} |")
+    return results
+
+
+def run(args):
+    """Trains with ``args.engine``; returns the metrics (also written to --output-dir, logged with --mlflow)."""
+    wall_start = time.perf_counter()
     train_lines = read_lines(args.train_file)
     eval_lines = read_lines(args.eval_file) if args.eval_file else None
     seed_everything(args.seed)   # before the model exists: both engines start from the same weights
@@ -589,6 +675,10 @@ def main(argv=None):
     }
     if args.output_dir:
         (args.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if args.mlflow:
+        steps = {"loss": history["update_losses"], "ms": [1000 * s for s in seconds]}
+        log_mlflow("examples.gpt2", args.engine, vars(args), steps, "update",
+                   {f"eval_{key}": value for key, value in result.items()})
     return metrics
 
 

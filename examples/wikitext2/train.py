@@ -1,6 +1,7 @@
 """Train the notebook's Transformer language model on WikiText-2 with PyTorch or with ORTTrainer.
 
     python -m examples.wikitext2 --engine ort        # or: python examples/wikitext2/train.py ...
+    python -m examples.wikitext2 --compare loss.png  # both engines on the same batches: loss.png, loss.csv
     python -m torch.distributed.run --nproc_per_node=2 -m examples.wikitext2 --engine ort [--zero-stage 1]
 
 Under torchrun every rank trains on its slice of each batch's columns (data parallel ORTTrainer,
@@ -12,6 +13,7 @@ best-model selection, checkpointing and reporting; they differ only in one train
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -27,6 +29,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from examples._cli import add_engine_option, add_option, canonical_engine, description, progress
+from examples._report import add_report_options, check_report_packages, log_mlflow, plot_losses, write_steps_csv
 from examples.wikitext2.data import (DEFAULT_CACHE_DIR, DataError, batchify, download_wikitext2,
                                      get_batch, load_corpus)
 from examples.wikitext2.model import TransformerModel
@@ -46,7 +50,7 @@ def make_loss_fn(ntokens):
 class PyTorchEngine:
     """The notebook's baseline: eager PyTorch, Adam, ``clip_grad_norm_``; with --mixed-precision,
     under ``torch.autocast`` with a ``GradScaler`` (fp16)."""
-    name = "pytorch"
+    name = "torch"
 
     def __init__(self, model, loss_fn, args):
         self.model, self.loss_fn, self.clip = model, loss_fn, args.clip
@@ -126,17 +130,19 @@ class ORTEngine:
 ENGINES = {engine.name: engine for engine in (PyTorchEngine, ORTEngine)}
 
 
-def train_epoch(engine, train_data, epoch, args):
-    """One pass over (at most --max-batches of) the training data; returns ms per batch."""
+def train_epoch(engine, train_data, epoch, args, steps):
+    """One pass over (at most --max-batches of) the training data; appends each batch's loss and
+    milliseconds to ``steps``; returns ms per batch."""
     starts = range(0, train_data.size(0) - 1, args.bptt)[:args.max_batches]
-    bar = tqdm(starts, desc=f"epoch {epoch}", unit="batch", leave=False,
-               disable=args.quiet or not sys.stderr.isatty())
     total_loss, epoch_start = 0.0, time.time()
     start_time = epoch_start
-    for batch, i in enumerate(bar):
+    for batch, i in enumerate(progress(starts, desc=f"epoch {epoch}", unit="batch", args=args)):
+        step_start = time.perf_counter()
         data, targets = get_batch(train_data, i, args.bptt)
-        loss = engine.train_step(data, targets)
-        total_loss += loss.item()
+        loss = engine.train_step(data, targets).item()
+        steps["ms"].append(1000 * (time.perf_counter() - step_start))
+        steps["loss"].append(loss)
+        total_loss += loss
         if batch % args.log_interval == 0 and batch > 0:
             # As in the notebook, the first window holds log_interval + 1 losses.
             cur_loss = total_loss / args.log_interval
@@ -151,7 +157,8 @@ def train_epoch(engine, train_data, epoch, args):
 def evaluate(engine, source, args):
     """The notebook's ``evaluate``: mean loss per row, each batch weighted by its length."""
     total_loss, rows = 0.0, 0
-    for i in range(0, source.size(0) - 1, args.bptt)[:args.max_batches]:
+    for i in progress(range(0, source.size(0) - 1, args.bptt)[:args.max_batches], desc="eval", unit="batch",
+                      args=args):
         data, targets = get_batch(source, i, args.bptt)
         total_loss += len(data) * engine.eval_step(data, targets).item()
         rows += len(data)
@@ -177,47 +184,61 @@ class Checkpoints:
         if not metas:
             return None
         meta = torch.load(metas[-1])
-        if meta["engine"] != self.engine.name:
+        if canonical_engine(meta["engine"]) != self.engine.name:
             raise SystemExit(f"error: {self.directory} holds {meta['engine']} checkpoints, not "
                              f"{self.engine.name} ones; pass another --checkpoint-dir")
-        self.engine.load_checkpoint(self.directory / f"epoch{meta['epoch']:04d}.{self.engine.name}")
+        self.engine.load_checkpoint(self.directory / f"epoch{meta['epoch']:04d}.{meta['engine']}")
         torch.set_rng_state(meta.pop("rng"))
         del meta["engine"]
         return meta
 
 
+def make_parser():
+    """The example's flags (README, Options: tests/test_example_cli.py checks the table against them)."""
+    p = argparse.ArgumentParser(prog="python -m examples.wikitext2", description=description(__doc__))
+
+    def option(name, **kwargs):
+        add_option(p, name, **kwargs)
+
+    add_engine_option(p, ENGINES, "torch", "who does the training step: ORTTrainer or eager PyTorch")
+    option("data", type=Path, help="WikiText-2 directory (wiki.{train,valid,test}.tokens or "
+           "{train,valid,test}.txt) or one text file, split 90/5/5 by lines "
+           f"(default: {DEFAULT_DATA}, if it exists)")
+    option("download", action="store_true", help="fetch the official wikitext-2-v1.zip into --cache-dir")
+    option("cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    option("epochs", type=int, default=3)
+    option("device", choices=["cpu", "cuda"], default="cpu")
+    option("max-batches", type=int, help="at most N train batches per epoch and N batches per evaluation")
+    option("seed", type=int, default=0, help="model initialisation and dropout seed")
+    option("checkpoint-dir", type=Path, help="checkpoint every epoch; resume from the newest one")
+    option("dropout", type=float, default=0.2)
+    option("bptt", type=int, default=35)
+    option("batch-size", type=int, default=20)
+    option("eval-batch-size", type=int, default=10)
+    option("lr", type=float, default=0.001)
+    option("clip", type=float, default=0.5, help="max gradient norm")
+    option("log-interval", type=int, default=50)
+    option("json", type=Path, help="write the final metrics and every batch's loss and ms to this file")
+    option("quiet", action="store_true", help="no progress bar and no per-batch log lines")
+    option("zero-stage", type=int, choices=[0, 1], default=0,
+           help="ORTTrainer's deepspeed_zero_optimization.stage under torchrun")
+    option("mixed-precision", choices=["float16", "bfloat16"], nargs="?", const="float16",
+           help="matrix products in fp16 (default) or bf16 on fp32 master weights: ORTTrainer's "
+                "mixed_precision, torch.autocast (+ GradScaler for fp16) for --engine torch")
+    add_report_options(p, "both engines", "batch", "valid and test loss")
+    return p
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m examples.wikitext2", description=__doc__.split("\n")[0])
-    p.add_argument("--engine", choices=sorted(ENGINES), default="pytorch")
-    p.add_argument("--data", type=Path, help="WikiText-2 directory (wiki.{train,valid,test}.tokens or "
-                   "{train,valid,test}.txt) or one text file, split 90/5/5 by lines "
-                   f"(default: {DEFAULT_DATA}, if it exists)")
-    p.add_argument("--download", action="store_true", help="fetch the official wikitext-2-v1.zip into --cache-dir")
-    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--max-batches", type=int, help="at most N train batches per epoch and N batches per evaluation")
-    p.add_argument("--seed", type=int, default=0, help="model initialisation and dropout seed")
-    p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every epoch; resume from the newest one")
-    p.add_argument("--dropout", type=float, default=0.2)
-    p.add_argument("--bptt", type=int, default=35)
-    p.add_argument("--batch-size", type=int, default=20)
-    p.add_argument("--eval-batch-size", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.001)
-    p.add_argument("--clip", type=float, default=0.5, help="max gradient norm")
-    p.add_argument("--log-interval", type=int, default=50)
-    p.add_argument("--json", type=Path, help="write the final metrics to this file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar and no per-batch log lines")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0,
-                   help="ORTTrainer's deepspeed_zero_optimization.stage under torchrun")
-    p.add_argument("--mixed-precision", choices=["float16", "bfloat16"], nargs="?", const="float16",
-                   help="matrix products in fp16 (default) or bf16 on fp32 master weights: ORTTrainer's "
-                        "mixed_precision, torch.autocast (+ GradScaler for fp16) for --engine pytorch")
+    p = make_parser()
     args = p.parse_args(argv)
     if args.max_batches is not None and args.max_batches < 1:
         p.error("--max-batches must be at least 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: PyTorch sees no CUDA device")
+    if args.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--compare runs both engines in one process; not under torchrun")
+    check_report_packages(args)
     if args.data is None and not args.download:
         if not DEFAULT_DATA.is_file():
             p.error(f"no data: pass --data DIR_OR_FILE, or --download to fetch WikiText-2 "
@@ -243,7 +264,34 @@ def join_process_group(args):
 
 
 def main(argv=None):
+    """One run with --engine; with --compare, one with each engine (their metrics by engine name)."""
     args = parse_args(argv)
+    if not args.compare:
+        return run(args)
+    results, runs = {}, {}
+    for name in ENGINES:
+        engine_args = copy.copy(args)
+        engine_args.engine, engine_args.json = name, None
+        if args.checkpoint_dir:
+            engine_args.checkpoint_dir = args.checkpoint_dir / name
+        results[name] = run(engine_args)
+        runs[name] = {"loss": results[name]["train_losses"], "ms": results[name]["train_ms"]}
+    args.compare.parent.mkdir(parents=True, exist_ok=True)
+    write_steps_csv(args.compare.with_suffix(".csv"), runs, "batch")
+    plot_losses(args.compare, runs, "examples.wikitext2: training loss per batch", "batch")
+    print(f"| loss curves: {args.compare}, {args.compare.with_suffix('.csv')} |")
+    write_json(args.json, results)
+    return results
+
+
+def write_json(path, metrics):
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def run(args):
+    """Trains with ``args.engine``; returns the metrics (also written to --json, logged with --mlflow)."""
     rank, world_size = join_process_group(args)
     if rank > 0:   # rank 0 alone prints and writes the metrics
         args.quiet, args.json = True, None
@@ -268,15 +316,16 @@ def main(argv=None):
     model = TransformerModel(ntokens, dropout=args.dropout).to(device)
     engine = ENGINES[args.engine](model, make_loss_fn(ntokens), args)
 
-    state = {"epoch": 0, "best_val_loss": math.inf, "best_state": None, "history": []}
+    state = {"epoch": 0, "best_val_loss": math.inf, "best_state": None, "history": [],
+             "steps": {"loss": [], "ms": []}}
     checkpoints = Checkpoints(args.checkpoint_dir, engine, rank) if args.checkpoint_dir else None
     if checkpoints and (resumed := checkpoints.resume()):
-        state = resumed
+        state = {"steps": {"loss": [], "ms": []}, **resumed}   # checkpoints before per-batch steps lack them
         print(f"| resumed from {args.checkpoint_dir} after epoch {state['epoch']} |")
 
     for epoch in range(state["epoch"] + 1, args.epochs + 1):
         epoch_start = time.time()
-        ms_per_batch = train_epoch(engine, train_data, epoch, args)
+        ms_per_batch = train_epoch(engine, train_data, epoch, args, state["steps"])
         val_loss = evaluate(engine, val_data, args)
         elapsed = time.time() - epoch_start
         print("-" * 89)
@@ -301,10 +350,12 @@ def main(argv=None):
 
     metrics = {"engine": args.engine, "device": str(device), "ntokens": ntokens, "train_batches": nbatches,
                "epochs": state["history"], "best_valid_loss": state["best_val_loss"],
-               "test_loss": test_loss, "test_ppl": math.exp(test_loss)}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(metrics, indent=2) + "\n")
+               "test_loss": test_loss, "test_ppl": math.exp(test_loss),
+               "train_losses": state["steps"]["loss"], "train_ms": state["steps"]["ms"]}
+    write_json(args.json, metrics)
+    if args.mlflow and rank == 0:
+        summary = {"valid_loss": state["best_val_loss"], "test_loss": test_loss, "test_ppl": math.exp(test_loss)}
+        log_mlflow("examples.wikitext2", args.engine, vars(args), state["steps"], "batch", summary)
     return metrics
 
 

@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 
+from .._install import FROM_CHECKOUT, GPU_INSTALL
 from .cuda_tables import BLOCK
 
 #: Options for NVRTC (CuPy adds ``-arch`` for the device, and ``-ftz=true`` after these).
@@ -34,7 +35,7 @@ KERNELS = {
 }
 
 
-_INSTALL_HINT = "CuPy is required for the GPU optimizer: pip install 'ort-trainer[gpu]'"
+_INSTALL_HINT = f"CuPy is required for the GPU optimizer: {GPU_INSTALL} {FROM_CHECKOUT}"
 _INCLUDE = '#include "common.cuh"'
 NULL = np.uint64(0)  # a null device pointer argument
 

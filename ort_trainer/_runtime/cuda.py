@@ -13,7 +13,9 @@ import importlib.util
 import os
 import sys
 
-_GPU_EXTRA = "pip install 'ort-trainer[gpu]'"
+from .._install import FROM_CHECKOUT, GPU_INSTALL
+
+_GPU_EXTRA = f"{GPU_INSTALL} {FROM_CHECKOUT}"
 _CUDNN_WHEEL = "nvidia-cudnn-cu11==8.9.*"
 # (library soname, wheel package directory under site-packages/nvidia, wheel name), load order:
 # each after the libraries it needs.
