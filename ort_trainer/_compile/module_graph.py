@@ -27,7 +27,7 @@ from .._graph.cpu_low_precision import low_precision_in_fp32
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.label_sparsity import gather_labelled_rows
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
-                                    outputs_reaching, outputs_read_by_backward)
+                                    gradients_in_full_shape, outputs_reaching, outputs_read_by_backward)
 from .._graph.recompute import module_groups, recompute_in_backward
 from .._graph.torch_node_shapes import declare_torch_node_outputs
 from .._graph.training_graphs import draws_random_numbers
@@ -101,13 +101,14 @@ class ModuleGraph:
         if recomputed:
             _info(settings, "%d nodes recomputed in the backward (checkpointed segments%s)", recomputed,
                   ", layers" if settings.layer_recompute else "")
-        self.non_differentiable, self.full_shape_grads = built.non_differentiable, built.full_shape_grads
+        self.non_differentiable = built.non_differentiable
         describe_outputs(model_proto, outputs, schema.dtypes, schema.shapes)
         self.batch_statistics.describe(model_proto)
         substitute = kernel_substitutions(sessions.placement.ort_device)
         if substitute is not None:
             # each rewrite finds its nodes in either kind
             substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
+        self.full_shape_grads = gradients_in_full_shape(model_proto)  # after the substitutions, which free some
         graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
         if needs_grad:
             self._reaching = outputs_reaching(model_proto, graph_outputs, outputs)

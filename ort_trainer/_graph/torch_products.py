@@ -149,21 +149,36 @@ def bf16_logits_into_loss(model):
     writes bf16 (`MUL_TO_BF16`), which the product's gradient reads as it is. Same values as the
     fp32 logits and gradient, two conversions of logits-sized tensors fewer. A training graph whose
     loss gradient is not that Mul keeps fp32, and so does a product that scales its result in fp32
-    (`scaled_in_fp32`). Returns the number of products rewritten."""
+    (`scaled_in_fp32`). Returns the number of products rewritten.
+
+    An ORTModule graph may also return the logits (Hugging Face's models compute the loss in
+    forward and return both), in bf16 as autocast does (`_graph.autocast.cast_outputs`' Cast):
+    then the product writes that output and the loss reads it. In the backward the output's
+    gradient (bf16) is added by the `MUL_TO_BF16` to the bf16 loss gradient, as autocast's autograd
+    sums the two bf16 gradients, in place of ONNX Runtime's Cast to fp32 and Sum; a scalar zero
+    adds nothing, so the output's gradient need no longer have its shape (dropped from the YieldOp's
+    `full_shape_outputs`): logits the user's loss does not use cost no logits-sized zeros."""
     graph = model.graph
     producers = {name: node for node in graph.node for name in node.output}
     readers = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    outputs = {output.name for output in graph.output}
+    yield_op = next((node for node in graph.node if node.op_type == "YieldOp"), None)
+    outputs = {output.name for output in graph.output} | set(yield_op.input if yield_op is not None else ())
 
     def only_reader(name):
         found = readers.get(name, [])
         return found[0] if len(found) == 1 and name not in outputs else None
 
+    def returned_cast(name):
+        """The Cast to bf16 of `name` that is a forward output, or None."""
+        casts = [node for node in readers.get(name, []) if node.op_type == "Cast" and node.output[0] in outputs
+                 and node_attributes(node).get("to") == onnx.TensorProto.BFLOAT16]
+        return casts[0] if len(casts) == 1 else None
+
     training = any(torch_node_operator(node) == PRODUCT_GRAD for node in graph.node)
-    replaced, bf16_values, log_probs, rewritten = {}, [], [], 0
+    replaced, renamed, bf16_values, log_probs, freed, rewritten = {}, {}, [], [], [], 0
     for log_softmax in graph.node:
         if log_softmax.op_type != "LogSoftmax" or log_softmax.domain not in ("", "ai.onnx"):
             continue
@@ -172,15 +187,21 @@ def bf16_logits_into_loss(model):
                 and only_reader(logits) is not None:
             reshapes.append(logits)
             logits = producers[logits].input[0]
-        product = producers.get(logits)
-        if product is None or torch_node_operator(product) != PRODUCT or only_reader(logits) is None \
-                or only_reader(log_softmax.input[0]) is None or scaled_in_fp32(torch_node_params_of(product)):
+        product, returned = producers.get(logits), returned_cast(logits)
+        loss_readers = [node for node in readers.get(logits, []) if node is not returned]
+        if product is None or torch_node_operator(product) != PRODUCT or len(loss_readers) != 1 \
+                or logits in outputs or only_reader(log_softmax.input[0]) is None \
+                or scaled_in_fp32(torch_node_params_of(product)):
             continue
-        gradient = _loss_gradient_into(product, log_softmax.input[0], producers, only_reader) if training else []
+        output_grad = f"{returned.output[0]}_grad" if returned is not None else None
+        gradient = _loss_gradient_into(product, log_softmax.input[0], producers, only_reader,
+                                       output_grad if output_grad in producers else None) if training else []
         if training and not gradient:
             continue
         params = torch_node_params_of(product)
         axis = int(node_attributes(log_softmax).get("axis", -1))
+        if returned is not None:  # the product writes the returned bf16 logits, which the loss reads
+            renamed[logits], replaced[id(returned)] = returned.output[0], None
         replaced[id(product)] = torch_node(PRODUCT, list(product.input), list(product.output), name=product.name,
                                            params={**params, "output_bf16": True})
         replaced[id(log_softmax)] = torch_node(LOG_SOFTMAX_FP32, [log_softmax.input[0]], list(log_softmax.output),
@@ -188,28 +209,44 @@ def bf16_logits_into_loss(model):
         bf16_values += [logits, *reshapes]
         log_probs.append((log_softmax.output[0], log_softmax.input[0]))
         if gradient:
-            mul, grads = gradient
-            replaced[id(mul)] = torch_node(MUL_TO_BF16, list(mul.input), list(mul.output), name=mul.name, params={})
+            mul, grads, merge = gradient
+            added = []
+            if merge is not None:  # the returned logits' gradient, added by the Mul
+                summed, cast_back, chain = merge
+                renamed[chain], replaced[id(summed)], replaced[id(cast_back)] = summed.output[0], None, None
+                added = [output_grad]
+                freed.append(list(yield_op.input).index(returned.output[0]))
+            replaced[id(mul)] = torch_node(MUL_TO_BF16, [*mul.input, *added], list(mul.output), name=mul.name,
+                                           params={})
             bf16_values += grads
         rewritten += 1
     if rewritten:
-        set_nodes(graph, [replaced.get(id(node), node) for node in graph.node])
+        nodes = [replaced.get(id(node), node) for node in graph.node]
+        for node in (node for node in nodes if node is not None):
+            node.input[:] = [renamed.get(name, name) for name in node.input]
+            node.output[:] = [renamed.get(name, name) for name in node.output]
+        if freed:
+            _full_shape_outputs_without(yield_op, freed)
+        set_nodes(graph, [node for node in nodes if node is not None])
         tensors = inferred_tensors(model)
         for name in bf16_values:
-            set_value_info(model, name, onnx.TensorProto.BFLOAT16, tensors.get(name, (0, None))[1])
+            set_value_info(model, renamed.get(name, name), onnx.TensorProto.BFLOAT16,
+                           tensors.get(name, (0, None))[1])
         for name, logits in log_probs:  # a torch node's output: typed here
             set_value_info(model, name, onnx.TensorProto.FLOAT, tensors.get(logits, (0, None))[1])
     return rewritten
 
 
-def _loss_gradient_into(product, loss_input, producers, only_reader):
+def _loss_gradient_into(product, loss_input, producers, only_reader, output_grad):
     """(the Mul that ends the rewritten loss's gradient of `loss_input`, the gradient values from
-    it to the product's gradient node) where that gradient reaches `product`'s gradient node only
-    through Reshapes; else None."""
+    it to the product's gradient node, the merge) where that gradient reaches `product`'s gradient
+    node only through Reshapes and, where the logits are also returned (`output_grad`: the returned
+    output's gradient), the Sum with that gradient cast to fp32: the merge is (the Sum, the Cast, the
+    value the Sum adds it to), else None. Returns None where the gradient goes elsewhere."""
     mul = producers.get(f"{loss_input}_grad")
     if mul is None or mul.op_type != "Mul" or not mul.input[0].endswith("/fast_sce_grad/unscaled"):
         return None
-    grads, value = [mul.output[0]], mul.output[0]
+    grads, value, merge = [mul.output[0]], mul.output[0], None
     while True:
         reader = only_reader(value)
         if reader is None:
@@ -217,11 +254,29 @@ def _loss_gradient_into(product, loss_input, producers, only_reader):
         if torch_node_operator(reader) == PRODUCT_GRAD and list(reader.input[:1]) == [value] \
                 and torch_node_params_of(reader).get("kind") == torch_node_params_of(product).get("kind") \
                 and reader.input[1:3] == product.input[len(torch_node_params_of(product)["operands"]):]:
-            return mul, grads
-        if reader.op_type != "Reshape":
+            return (mul, grads, merge) if (merge is None) == (output_grad is None) else None
+        if reader.op_type == "Sum" and merge is None and output_grad is not None and len(reader.input) == 2:
+            other = reader.input[1] if reader.input[0] == value else reader.input[0]
+            cast_back = producers.get(other)
+            if cast_back is None or cast_back.op_type != "Cast" or list(cast_back.input) != [output_grad] \
+                    or only_reader(other) is not reader:
+                return None
+            merge = (reader, cast_back, value)
+        elif reader.op_type != "Reshape":
             return None
         value = reader.output[0]
-        grads.append(value)
+        if merge is None or merge[0] is not reader:
+            grads.append(value)
+
+
+def _full_shape_outputs_without(yield_op, indices):
+    """The YieldOp's `full_shape_outputs` (the outputs whose gradient must have their shape)
+    without `indices` (in place)."""
+    for attribute in yield_op.attribute:
+        if attribute.name == "full_shape_outputs":
+            kept = [index for index in attribute.ints if index not in indices]
+            del attribute.ints[:]
+            attribute.ints.extend(kept)
 
 
 _LARGE_CAST = 1 << 16  # elements: a smaller Cast stays ONNX Runtime's (a torch node's call costs more there)

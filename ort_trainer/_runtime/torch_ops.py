@@ -19,6 +19,7 @@ import ctypes
 import functools
 import itertools
 import json
+import math
 import threading
 
 import torch
@@ -272,16 +273,33 @@ _ROWS = 32  # rows of a logits-sized tensor converted at a time: in cache until 
 
 def _mul_to_bf16(inputs, params):
     """a * b written in bf16 (the product in fp32, rounded as it is stored), a block of rows at a
-    time (torch's kernel converting whole tensors is several times slower)."""
-    a, b = inputs
+    time (torch's kernel converting whole tensors is several times slower); a third input, the bf16
+    gradient of an output these values are also the gradient of (ORTModule's returned logits), is
+    added in bf16 as autocast's autograd sums two bf16 gradients: of the result's size (in any
+    shape), or a scalar (an unused output's zero adds nothing)."""
+    a, b, *added = inputs
     shape = torch.broadcast_shapes(a.shape, b.shape)
     if not shape:
-        return [(a * b).to(torch.bfloat16)]
+        return [(a * b).to(torch.bfloat16) + added[0] if added else (a * b).to(torch.bfloat16)]
     result = empty(shape, torch.bfloat16)
+    added = _added_gradient(added[0], shape) if added else None
     a, b = a.expand(shape), b.expand(shape)
     for start in range(0, shape[0], _ROWS):
-        torch.mul(a[start:start + _ROWS], b[start:start + _ROWS], out=result[start:start + _ROWS])
+        rows = result[start:start + _ROWS]
+        torch.mul(a[start:start + _ROWS], b[start:start + _ROWS], out=rows)
+        if added is not None:
+            rows.add_(added[start:start + _ROWS])
     return [result]
+
+
+def _added_gradient(gradient, shape):
+    """`gradient` as added to a result of `shape` (`_mul_to_bf16`): None for a scalar zero."""
+    if gradient.dim() == 0:
+        return gradient.expand(shape) if bool(gradient) else None
+    if gradient.numel() != math.prod(shape):
+        raise ValueError(f"mul_to_bf16: a gradient of shape {list(gradient.shape)} added to a result of shape "
+                         f"{list(shape)}: it must have the result's size or be a scalar")
+    return gradient.reshape(shape)
 
 
 def _log_softmax_fp32(inputs, params):
