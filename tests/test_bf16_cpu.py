@@ -307,7 +307,7 @@ def test_the_zero_gradient_of_an_unused_output_is_made_once_and_stays_zero(bf16_
         assert losses[0] == pytest.approx(losses[1], rel=LOSS_RTOL), step
     graph, = (graph for graph in wrapped._graphs._graphs.values())
     zeros = list(graph._zero_gradients.values())
-    assert [tuple(z.shape) for z in zeros] == [(2, 16, 64)] and all(bool((z == 0).all()) for z in zeros)
+    assert [tuple(z.shape) for z in zeros] == [()] and all(bool((z == 0).all()) for z in zeros)
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_refused_by_name(monkeypatch):
@@ -478,3 +478,76 @@ def test_logits_stay_bf16_into_the_loss_only_where_the_product_does_not_scale_th
                    ["log_prob"])
     model.opset_import.append(onnx.helper.make_opsetid(TORCH_NODE_DOMAIN, 1))
     assert bf16_logits_into_loss(model) == rewritten
+
+
+# ---------------------------------------------------------------- ORTModule's returned logits
+
+class _ProductsWithLoss(_Products):
+    """Hugging Face's way: the loss computed in forward (on the logits in fp32) and returned with the logits."""
+
+    def forward(self, x, target):
+        logits = super().forward(x)
+        return F.cross_entropy(logits.float(), target), logits
+
+
+@pytest.mark.parametrize("logits_used", [False, True], ids=["loss_only", "loss_and_logits"])
+def test_returned_logits_are_written_in_bf16_and_their_gradient_added_in_bf16(bf16_cpu, monkeypatch, logits_used):
+    """ORTModule under bf16 autocast on a model returning (loss, logits): the logits come back in
+    bf16 as autocast returns them, written by their product and read by the loss in the graph
+    (`bf16_logits_into_loss`); the user's gradient of the logits (bf16) is added to the loss's in
+    bf16, as autocast's autograd sums them. 4 SGD steps against torch with the graph's rules:
+    logits and weights equal, losses within 1e-6 (ONNX Runtime's softmax cross-entropy), the
+    outputs' dtypes eager autocast's. Logits the user's loss does not use get a scalar zero
+    gradient, made once: no logits-sized zeros."""
+    from ort_trainer.ortmodule import ORTModule
+
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    torch.manual_seed(0)
+    model = _ProductsWithLoss()
+    reference, wrapped = copy.deepcopy(model), ORTModule(model)
+    weight = torch.randn(6, 3, generator=torch.Generator().manual_seed(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager_dtypes = [t.dtype for t in copy.deepcopy(model)(*_products_batch(0))]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, wrapped)]
+    losses_close, equal = [], []
+    for step in range(4):
+        x, target = _products_batch(step)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        with _GraphRules():
+            expected_logits = _Products.forward(reference, x).bfloat16()  # autocast's linear returns bf16
+        expected_loss = F.cross_entropy(expected_logits.float(), target)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, logits = wrapped(x, target)
+        assert [loss.dtype, logits.dtype] == eager_dtypes == [torch.float32, torch.bfloat16]
+        for total in ((expected_loss + (expected_logits.float() * weight).sum(), loss + (logits.float() * weight).sum())
+                      if logits_used else (expected_loss, loss)):
+            total.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+        losses_close.append(torch.allclose(loss, expected_loss.detach(), rtol=1e-6, atol=0))
+        equal.append(torch.equal(logits, expected_logits.detach()))
+    equal += [torch.equal(p.detach(), q.detach()) for p, q in zip(wrapped.parameters(), reference.parameters())]
+    assert all(losses_close) and all(equal), (losses_close, equal)
+    graph, = wrapped._graphs._graphs.values()
+    assert [key[1] for key in graph._zero_gradients] == ([] if logits_used else [()])
+
+
+def test_the_added_gradient_of_mul_to_bf16_is_autocast_sum_of_two_bf16_gradients():
+    """`MUL_TO_BF16`'s third input: a gradient of the result's size in another shape (the returned
+    logits' [batch, sequence, classes] against the loss's rows), a scalar (zero: nothing added), or
+    refused by name."""
+    from ort_trainer._graph.torch_node_shapes import MUL_TO_BF16
+    from ort_trainer._runtime.torch_ops import IMPLEMENTATIONS
+
+    generator = torch.Generator().manual_seed(3)
+    a, b = torch.randn(70, 6, generator=generator), torch.rand(70, 1, generator=generator)
+    added = torch.randn(7, 10, 6, generator=generator).bfloat16()
+    loss_grad = (a * b).bfloat16()
+    mul = IMPLEMENTATIONS[MUL_TO_BF16]
+    assert torch.equal(mul([a, b, added], {})[0], loss_grad + added.reshape(70, 6))
+    assert torch.equal(mul([a, b, torch.zeros((), dtype=torch.bfloat16)], {})[0], loss_grad)
+    assert torch.equal(mul([a, b, torch.tensor(0.5, dtype=torch.bfloat16)], {})[0], loss_grad + 0.5)
+    with pytest.raises(ValueError, match=re.escape("mul_to_bf16: a gradient of shape [7, 6] added to a result of "
+                                                   "shape [70, 6]: it must have the result's size or be a scalar")):
+        mul([a, b, added[:, 0]], {})

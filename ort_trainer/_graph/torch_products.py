@@ -190,8 +190,7 @@ def bf16_logits_into_loss(model):
         product, returned = producers.get(logits), returned_cast(logits)
         loss_readers = [node for node in readers.get(logits, []) if node is not returned]
         if product is None or torch_node_operator(product) != PRODUCT or len(loss_readers) != 1 \
-                or logits in outputs or only_reader(log_softmax.input[0]) is None \
-                or scaled_in_fp32(torch_node_params_of(product)):
+                or logits in outputs or scaled_in_fp32(torch_node_params_of(product)):
             continue
         output_grad = f"{returned.output[0]}_grad" if returned is not None else None
         gradient = _loss_gradient_into(product, log_softmax.input[0], producers, only_reader,
@@ -244,6 +243,9 @@ def _loss_gradient_into(product, loss_input, producers, only_reader, output_grad
     output's gradient), the Sum with that gradient cast to fp32: the merge is (the Sum, the Cast, the
     value the Sum adds it to), else None. Returns None where the gradient goes elsewhere."""
     mul = producers.get(f"{loss_input}_grad")
+    if mul is not None and mul.op_type == "Sum" and output_grad is not None:  # the loss reads the returned logits
+        mul = next((producers[name] for name in mul.input if name in producers and producers[name].op_type == "Mul"),
+                   None)
     if mul is None or mul.op_type != "Mul" or not mul.input[0].endswith("/fast_sce_grad/unscaled"):
         return None
     grads, value, merge = [mul.output[0]], mul.output[0], None
