@@ -207,7 +207,7 @@ def test_every_product_computes_as_torch_bf16_kernels(bf16_cpu, tmp_path, dtype,
     ops = {node.op_type for node in training}
     assert "ATen" in ops and not ops & _PRODUCT_OPS, ops
     operators = {node.attribute[0].s.decode() for node in training if node.op_type == "ATen"}
-    assert ({"ort_trainer::log_softmax_fp32", "ort_trainer::mul_to_bf16"} <= operators) == loss_only
+    assert ({"ort_trainer::log_softmax_fp32", "ort_trainer::softmax_grad_to_bf16"} <= operators) == loss_only
 
 
 class _Conversions(TorchDispatchMode):
@@ -533,21 +533,43 @@ def test_returned_logits_are_written_in_bf16_and_their_gradient_added_in_bf16(bf
     assert [key[1] for key in graph._zero_gradients] == ([] if logits_used else [()])
 
 
-def test_the_added_gradient_of_mul_to_bf16_is_autocast_sum_of_two_bf16_gradients():
-    """`MUL_TO_BF16`'s third input: a gradient of the result's size in another shape (the returned
-    logits' [batch, sequence, classes] against the loss's rows), a scalar (zero: nothing added), or
+def test_the_loss_gradient_in_bf16_is_the_graph_nodes_and_adds_a_returned_gradient_as_autocast():
+    """`SOFTMAX_GRAD_TO_BF16`: ONNX Runtime's Exp, ScatterElements and Mul of the loss gradient
+    (`_graph.cpu_kernels`), rounded to bf16 as stored; its fifth input, a gradient of the result's
+    size in another shape (the returned logits' [batch, sequence, classes] against the loss's rows)
+    added in bf16 as autocast's autograd sums two bf16 gradients, a scalar (zero: nothing added), or
     refused by name."""
-    from ort_trainer._graph.torch_node_shapes import MUL_TO_BF16
+    import onnxruntime
+
+    from ort_trainer._graph.torch_node_shapes import SOFTMAX_GRAD_TO_BF16
     from ort_trainer._runtime.torch_ops import IMPLEMENTATIONS
 
     generator = torch.Generator().manual_seed(3)
-    a, b = torch.randn(70, 6, generator=generator), torch.rand(70, 1, generator=generator)
-    added = torch.randn(7, 10, 6, generator=generator).bfloat16()
-    loss_grad = (a * b).bfloat16()
-    mul = IMPLEMENTATIONS[MUL_TO_BF16]
-    assert torch.equal(mul([a, b, added], {})[0], loss_grad + added.reshape(70, 6))
-    assert torch.equal(mul([a, b, torch.zeros((), dtype=torch.bfloat16)], {})[0], loss_grad)
-    assert torch.equal(mul([a, b, torch.tensor(0.5, dtype=torch.bfloat16)], {})[0], loss_grad + 0.5)
-    with pytest.raises(ValueError, match=re.escape("mul_to_bf16: a gradient of shape [7, 6] added to a result of "
-                                                   "shape [70, 6]: it must have the result's size or be a scalar")):
-        mul([a, b, added[:, 0]], {})
+    rows, classes = 21, 6  # rows: more than one block of the kernel, the last one partial
+    log_prob = torch.log_softmax(torch.randn(rows, classes, generator=generator), 1)
+    index = torch.randint(0, classes, (rows, 1), generator=generator)
+    at_label = log_prob.gather(1, index).exp() - 1
+    row_scale = torch.rand(rows, 1, generator=generator)
+    make, value = onnx.helper.make_node, onnx.helper.make_tensor_value_info
+    graph = onnx.helper.make_graph(
+        [make("Exp", ["log_prob"], ["prob"]), make("ScatterElements", ["prob", "index", "at_label"], ["unscaled"], axis=1),
+         make("Mul", ["unscaled", "row_scale"], ["grad"])], "g",
+        [value("log_prob", onnx.TensorProto.FLOAT, [rows, classes]), value("index", onnx.TensorProto.INT64, [rows, 1]),
+         value("at_label", onnx.TensorProto.FLOAT, [rows, 1]), value("row_scale", onnx.TensorProto.FLOAT, [rows, 1])],
+        [value("grad", onnx.TensorProto.FLOAT, None)])
+    session = onnxruntime.InferenceSession(onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8).SerializeToString(),
+        providers=["CPUExecutionProvider"])
+    feeds = [log_prob, index, at_label, row_scale]
+    ours = torch.from_numpy(session.run(None, dict(zip(["log_prob", "index", "at_label", "row_scale"],
+                                                       (t.numpy() for t in feeds))))[0]).bfloat16()
+    gradient = IMPLEMENTATIONS[SOFTMAX_GRAD_TO_BF16]
+    added = torch.randn(3, 7, classes, generator=generator).bfloat16()
+    assert torch.equal(gradient(feeds, {})[0], ours)
+    assert torch.equal(gradient([*feeds, added], {})[0], ours + added.reshape(rows, classes))
+    assert torch.equal(gradient([*feeds, torch.zeros((), dtype=torch.bfloat16)], {})[0], ours)
+    assert torch.equal(gradient([*feeds, torch.tensor(0.5, dtype=torch.bfloat16)], {})[0], ours + 0.5)
+    with pytest.raises(ValueError, match=re.escape(
+            "softmax_grad_to_bf16: a gradient of shape [3, 6] added to a result of shape [21, 6]: it must have the "
+            "result's size or be a scalar")):
+        gradient([*feeds, added[:, 0]], {})

@@ -20,7 +20,7 @@ import math
 import onnx
 
 from .._onnx import inferred_tensors, node_attributes, set_nodes, torch_node, torch_node_operator, torch_node_params_of
-from .torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, TO_FP32, set_value_info
+from .torch_node_shapes import LOG_SOFTMAX_FP32, SOFTMAX_GRAD_TO_BF16, TO_FP32, set_value_info
 from .torch_nodes import (PRODUCT, PRODUCT_GRAD, TO_BF16, needing_gradient, reached_first,
                           register_torch_node_gradients, replace_nodes)
 
@@ -145,16 +145,17 @@ def bf16_logits_into_loss(model):
     """In a built graph for the CPU (in place): a bf16 product whose result only a (reshaped)
     LogSoftmax reads (the vocabulary projection before the cross-entropy, `_graph.cpu_kernels`)
     returns bf16, the LogSoftmax reads it in fp32 (`LOG_SOFTMAX_FP32`: the values autocast's loss
-    sees, without an fp32 copy of the logits); in a training graph, the loss gradient's last Mul
-    writes bf16 (`MUL_TO_BF16`), which the product's gradient reads as it is. Same values as the
-    fp32 logits and gradient, two conversions of logits-sized tensors fewer. A training graph whose
-    loss gradient is not that Mul keeps fp32, and so does a product that scales its result in fp32
-    (`scaled_in_fp32`). Returns the number of products rewritten.
+    sees, without an fp32 copy of the logits); in a training graph, the loss gradient (its Exp,
+    ScatterElements and Mul) is one torch node writing bf16 (`SOFTMAX_GRAD_TO_BF16`: no logits-sized
+    fp32 tensor), which the product's gradient reads as it is. Same values as the fp32 logits and
+    gradient, conversions of logits-sized tensors fewer. A training graph whose loss gradient is not
+    those nodes keeps fp32, and so does a product that scales its result in fp32 (`scaled_in_fp32`).
+    Returns the number of products rewritten.
 
     An ORTModule graph may also return the logits (Hugging Face's models compute the loss in
     forward and return both), in bf16 as autocast does (`_graph.autocast.cast_outputs`' Cast):
     then the product writes that output and the loss reads it. In the backward the output's
-    gradient (bf16) is added by the `MUL_TO_BF16` to the bf16 loss gradient, as autocast's autograd
+    gradient (bf16) is added by `SOFTMAX_GRAD_TO_BF16` to the bf16 loss gradient, as autocast's autograd
     sums the two bf16 gradients, in place of ONNX Runtime's Cast to fp32 and Sum; a scalar zero
     adds nothing, so the output's gradient need no longer have its shape (dropped from the YieldOp's
     `full_shape_outputs`): logits the user's loss does not use cost no logits-sized zeros."""
@@ -208,15 +209,16 @@ def bf16_logits_into_loss(model):
         bf16_values += [logits, *reshapes]
         log_probs.append((log_softmax.output[0], log_softmax.input[0]))
         if gradient:
-            mul, grads, merge = gradient
+            (mul, exp, scatter), grads, merge = gradient
             added = []
-            if merge is not None:  # the returned logits' gradient, added by the Mul
+            if merge is not None:  # the returned logits' gradient, added to the loss's
                 summed, cast_back, chain = merge
                 renamed[chain], replaced[id(summed)], replaced[id(cast_back)] = summed.output[0], None, None
                 added = [output_grad]
                 freed.append(list(yield_op.input).index(returned.output[0]))
-            replaced[id(mul)] = torch_node(MUL_TO_BF16, [*mul.input, *added], list(mul.output), name=mul.name,
-                                           params={})
+            replaced[id(exp)], replaced[id(scatter)] = None, None
+            replaced[id(mul)] = torch_node(SOFTMAX_GRAD_TO_BF16, [*exp.input, *scatter.input[1:], mul.input[1], *added],
+                                           list(mul.output), name=mul.name, params={})
             bf16_values += grads
         rewritten += 1
     if rewritten:
@@ -237,16 +239,22 @@ def bf16_logits_into_loss(model):
 
 
 def _loss_gradient_into(product, loss_input, producers, only_reader, output_grad):
-    """(the Mul that ends the rewritten loss's gradient of `loss_input`, the gradient values from
-    it to the product's gradient node, the merge) where that gradient reaches `product`'s gradient
-    node only through Reshapes and, where the logits are also returned (`output_grad`: the returned
-    output's gradient), the Sum with that gradient cast to fp32: the merge is (the Sum, the Cast, the
-    value the Sum adds it to), else None. Returns None where the gradient goes elsewhere."""
+    """((the Exp, ScatterElements and Mul of the rewritten loss's gradient of `loss_input`), the
+    gradient values from the Mul to the product's gradient node, the merge) where that gradient
+    reaches `product`'s gradient node only through Reshapes and, where the logits are also returned
+    (`output_grad`: the returned output's gradient), the Sum with that gradient cast to fp32: the
+    merge is (the Sum, the Cast, the value the Sum adds it to), else None. Returns None where the
+    gradient goes elsewhere."""
     mul = producers.get(f"{loss_input}_grad")
     if mul is not None and mul.op_type == "Sum" and output_grad is not None:  # the loss reads the returned logits
         mul = next((producers[name] for name in mul.input if name in producers and producers[name].op_type == "Mul"),
                    None)
     if mul is None or mul.op_type != "Mul" or not mul.input[0].endswith("/fast_sce_grad/unscaled"):
+        return None
+    scatter = producers.get(mul.input[0])
+    exp = producers.get(scatter.input[0]) if scatter is not None and scatter.op_type == "ScatterElements" else None
+    if exp is None or exp.op_type != "Exp" or only_reader(exp.output[0]) is not scatter \
+            or only_reader(mul.input[0]) is not mul:
         return None
     grads, value, merge = [mul.output[0]], mul.output[0], None
     while True:
@@ -256,7 +264,7 @@ def _loss_gradient_into(product, loss_input, producers, only_reader, output_grad
         if torch_node_operator(reader) == PRODUCT_GRAD and list(reader.input[:1]) == [value] \
                 and torch_node_params_of(reader).get("kind") == torch_node_params_of(product).get("kind") \
                 and reader.input[1:3] == product.input[len(torch_node_params_of(product)["operands"]):]:
-            return (mul, grads, merge) if (merge is None) == (output_grad is None) else None
+            return ((mul, exp, scatter), grads, merge) if (merge is None) == (output_grad is None) else None
         if reader.op_type == "Sum" and merge is None and output_grad is not None and len(reader.input) == 2:
             other = reader.input[1] if reader.input[0] == value else reader.input[0]
             cast_back = producers.get(other)

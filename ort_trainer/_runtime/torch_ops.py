@@ -28,7 +28,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
 from .._graph.cpu_products import MATRIX_PRODUCT
-from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, TO_FP32
+from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, SOFTMAX_GRAD_TO_BF16, TO_FP32
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD,
                                   CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT,
                                   PRODUCT_GRAD, RESIZE_GRAD, TO_BF16)
@@ -269,35 +269,36 @@ class FunctionContexts:
 
 
 _ROWS = 32  # rows of a logits-sized tensor converted at a time: in cache until they are used
+_GRAD_ROWS = 8  # rows of the loss gradient computed in fp32 at a time (50,257 classes: 1.6 MB)
 
 
-def _mul_to_bf16(inputs, params):
-    """a * b written in bf16 (the product in fp32, rounded as it is stored), a block of rows at a
-    time (torch's kernel converting whole tensors is several times slower); a third input, the bf16
-    gradient of an output these values are also the gradient of (ORTModule's returned logits), is
-    added in bf16 as autocast's autograd sums two bf16 gradients: of the result's size (in any
-    shape), or a scalar (an unused output's zero adds nothing)."""
-    a, b, *added = inputs
-    shape = torch.broadcast_shapes(a.shape, b.shape)
-    if not shape:
-        return [(a * b).to(torch.bfloat16) + added[0] if added else (a * b).to(torch.bfloat16)]
-    result = empty(shape, torch.bfloat16)
-    added = _added_gradient(added[0], shape) if added else None
-    a, b = a.expand(shape), b.expand(shape)
-    for start in range(0, shape[0], _ROWS):
-        rows = result[start:start + _ROWS]
-        torch.mul(a[start:start + _ROWS], b[start:start + _ROWS], out=rows)
+def _softmax_grad_to_bf16(inputs, params):
+    """The softmax cross-entropy's gradient (`_graph.cpu_kernels`' Exp, ScatterElements and Mul) written
+    in bf16: exp(log_prob), each row's label entry set to its gradient (prob - 1), scaled per row,
+    in fp32 a few rows at a time (in cache: no logits-sized fp32 tensor) and rounded as stored.
+    A fifth input, the bf16 gradient of an output these values are also the gradient of (ORTModule's
+    returned logits), is added in bf16 as autocast's autograd sums two bf16 gradients: of the
+    result's size (in any shape), or a scalar (an unused output's zero adds nothing)."""
+    log_prob, index, at_label, row_scale, *added = inputs
+    result = empty(log_prob.shape, torch.bfloat16)
+    added = _added_gradient(added[0], log_prob.shape) if added else None
+    block = empty((min(_GRAD_ROWS, log_prob.shape[0]), *log_prob.shape[1:]), torch.float32)
+    for start in range(0, log_prob.shape[0], _GRAD_ROWS):
+        stop = min(start + _GRAD_ROWS, log_prob.shape[0])
+        rows = torch.exp(log_prob[start:stop], out=block[:stop - start])
+        rows.scatter_(1, index[start:stop], at_label[start:stop]).mul_(row_scale[start:stop])
+        result[start:stop].copy_(rows)
         if added is not None:
-            rows.add_(added[start:start + _ROWS])
+            result[start:stop].add_(added[start:stop])
     return [result]
 
 
 def _added_gradient(gradient, shape):
-    """`gradient` as added to a result of `shape` (`_mul_to_bf16`): None for a scalar zero."""
+    """`gradient` as added to a result of `shape` (`_softmax_grad_to_bf16`): None for a scalar zero."""
     if gradient.dim() == 0:
         return gradient.expand(shape) if bool(gradient) else None
     if gradient.numel() != math.prod(shape):
-        raise ValueError(f"mul_to_bf16: a gradient of shape {list(gradient.shape)} added to a result of shape "
+        raise ValueError(f"softmax_grad_to_bf16: a gradient of shape {list(gradient.shape)} added to a result of shape "
                          f"{list(shape)}: it must have the result's size or be a scalar")
     return gradient.reshape(shape)
 
@@ -325,7 +326,7 @@ IMPLEMENTATIONS = {
     TO_BF16: lambda inputs, params: [converted(inputs[0], torch.bfloat16)],
     TO_FP32: lambda inputs, params: [converted(inputs[0], torch.float32)],
     LOG_SOFTMAX_FP32: _log_softmax_fp32,
-    MUL_TO_BF16: _mul_to_bf16,
+    SOFTMAX_GRAD_TO_BF16: _softmax_grad_to_bf16,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
 
