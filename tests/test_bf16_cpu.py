@@ -490,24 +490,26 @@ class _ProductsWithLoss(_Products):
         return F.cross_entropy(logits.float(), target), logits
 
 
-@pytest.mark.parametrize("logits_used", [False, True], ids=["loss_only", "loss_and_logits"])
-def test_returned_logits_are_written_in_bf16_and_their_gradient_added_in_bf16(bf16_cpu, monkeypatch, logits_used):
-    """ORTModule under bf16 autocast on a model returning (loss, logits): the logits come back in
-    bf16 as autocast returns them, written by their product and read by the loss in the graph
-    (`bf16_logits_into_loss`); the user's gradient of the logits (bf16) is added to the loss's in
-    bf16, as autocast's autograd sums them. 4 SGD steps against torch with the graph's rules:
-    logits and weights equal, losses within 1e-6 (ONNX Runtime's softmax cross-entropy), the
-    outputs' dtypes eager autocast's. Logits the user's loss does not use get a scalar zero
-    gradient, made once: no logits-sized zeros."""
+@pytest.mark.parametrize("returns", ["loss_and_unused_logits", "loss_and_used_logits", "logits"])
+def test_returned_logits_are_written_in_bf16_and_their_gradient_read_in_bf16(bf16_cpu, monkeypatch, returns):
+    """ORTModule under bf16 autocast on a model returning (loss, logits), or the logits alone (the
+    user's loss in torch): the logits come back in bf16 as autocast returns them, written by their
+    product (`bf16_logits_into_loss`, `bf16_outputs_from_products`), and read by the loss in the
+    graph; the user's gradient of the logits (bf16) is added to the loss's in bf16, as autocast's
+    autograd sums them, or read by the product's gradient as it is. 4 SGD steps against torch with
+    the graph's rules: logits and weights equal, losses within 1e-6 (ONNX Runtime's softmax
+    cross-entropy), the outputs' dtypes eager autocast's. Logits the user's loss does not use get a
+    scalar zero gradient, made once: no logits-sized zeros."""
     from ort_trainer.ortmodule import ORTModule
 
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
     torch.manual_seed(0)
-    model = _ProductsWithLoss()
+    model = _ProductsWithLoss() if returns != "logits" else _Products()
     reference, wrapped = copy.deepcopy(model), ORTModule(model)
+    arguments = (lambda x, target: (x, target)) if returns != "logits" else (lambda x, target: (x,))
     weight = torch.randn(6, 3, generator=torch.Generator().manual_seed(5))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        eager_dtypes = [t.dtype for t in copy.deepcopy(model)(*_products_batch(0))]
+        eager = copy.deepcopy(model)(*arguments(*_products_batch(0)))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, wrapped)]
     losses_close, equal = [], []
     for step in range(4):
@@ -518,10 +520,15 @@ def test_returned_logits_are_written_in_bf16_and_their_gradient_added_in_bf16(bf
             expected_logits = _Products.forward(reference, x).bfloat16()  # autocast's linear returns bf16
         expected_loss = F.cross_entropy(expected_logits.float(), target)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, logits = wrapped(x, target)
-        assert [loss.dtype, logits.dtype] == eager_dtypes == [torch.float32, torch.bfloat16]
+            outputs = wrapped(*arguments(x, target))
+        if returns == "logits":
+            assert outputs.dtype == eager.dtype == torch.bfloat16
+            logits, loss = outputs, F.cross_entropy(outputs.float(), target)
+        else:
+            assert [t.dtype for t in outputs] == [t.dtype for t in eager] == [torch.float32, torch.bfloat16]
+            loss, logits = outputs
         for total in ((expected_loss + (expected_logits.float() * weight).sum(), loss + (logits.float() * weight).sum())
-                      if logits_used else (expected_loss, loss)):
+                      if returns == "loss_and_used_logits" else (expected_loss, loss)):
             total.backward()
         for optimizer in optimizers:
             optimizer.step()
@@ -530,7 +537,7 @@ def test_returned_logits_are_written_in_bf16_and_their_gradient_added_in_bf16(bf
     equal += [torch.equal(p.detach(), q.detach()) for p, q in zip(wrapped.parameters(), reference.parameters())]
     assert all(losses_close) and all(equal), (losses_close, equal)
     graph, = wrapped._graphs._graphs.values()
-    assert [key[1] for key in graph._zero_gradients] == ([] if logits_used else [()])
+    assert [key[1] for key in graph._zero_gradients] == ([()] if returns == "loss_and_unused_logits" else [])
 
 
 def test_the_loss_gradient_in_bf16_is_the_graph_nodes_and_adds_a_returned_gradient_as_autocast():
@@ -545,7 +552,7 @@ def test_the_loss_gradient_in_bf16_is_the_graph_nodes_and_adds_a_returned_gradie
     from ort_trainer._runtime.torch_ops import IMPLEMENTATIONS
 
     generator = torch.Generator().manual_seed(3)
-    rows, classes = 21, 6  # rows: more than one block of the kernel, the last one partial
+    rows, classes = 70, 6  # rows: more than one block of the kernel, the last one partial
     log_prob = torch.log_softmax(torch.randn(rows, classes, generator=generator), 1)
     index = torch.randint(0, classes, (rows, 1), generator=generator)
     at_label = log_prob.gather(1, index).exp() - 1
@@ -564,12 +571,12 @@ def test_the_loss_gradient_in_bf16_is_the_graph_nodes_and_adds_a_returned_gradie
     ours = torch.from_numpy(session.run(None, dict(zip(["log_prob", "index", "at_label", "row_scale"],
                                                        (t.numpy() for t in feeds))))[0]).bfloat16()
     gradient = IMPLEMENTATIONS[SOFTMAX_GRAD_TO_BF16]
-    added = torch.randn(3, 7, classes, generator=generator).bfloat16()
+    added = torch.randn(7, 10, classes, generator=generator).bfloat16()
     assert torch.equal(gradient(feeds, {})[0], ours)
     assert torch.equal(gradient([*feeds, added], {})[0], ours + added.reshape(rows, classes))
     assert torch.equal(gradient([*feeds, torch.zeros((), dtype=torch.bfloat16)], {})[0], ours)
     assert torch.equal(gradient([*feeds, torch.tensor(0.5, dtype=torch.bfloat16)], {})[0], ours + 0.5)
     with pytest.raises(ValueError, match=re.escape(
-            "softmax_grad_to_bf16: a gradient of shape [3, 6] added to a result of shape [21, 6]: it must have the "
+            "softmax_grad_to_bf16: a gradient of shape [7, 6] added to a result of shape [70, 6]: it must have the "
             "result's size or be a scalar")):
         gradient([*feeds, added[:, 0]], {})

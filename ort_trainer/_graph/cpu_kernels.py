@@ -15,7 +15,7 @@ import onnx
 from .._onnx import int64_constant, node_attributes, onnx_opset
 from .cpu_products import matrix_products_in_torch
 from .torch_nodes import substitute_torch_kernels
-from .torch_products import bf16_casts_in_torch, bf16_logits_into_loss
+from .torch_products import bf16_casts_in_torch, bf16_logits_into_loss, bf16_outputs_from_products
 
 
 def kernel_substitutions(device_type):
@@ -34,6 +34,7 @@ def substitute_cpu_kernels(training, evaluation, *, faster_in_torch=None):
     fast_softmax_cross_entropy(evaluation)
     for model in {id(training): training, id(evaluation): evaluation}.values():
         bf16_logits_into_loss(model)  # after the loss rewrite, whose LogSoftmax reads the logits
+        bf16_outputs_from_products(model)  # then the Casts of outputs the loss does not read
         bf16_casts_in_torch(model)
     if faster_in_torch is not None:
         for model in {id(training): training, id(evaluation): evaluation}.values():

@@ -160,13 +160,7 @@ def bf16_logits_into_loss(model):
     adds nothing, so the output's gradient need no longer have its shape (dropped from the YieldOp's
     `full_shape_outputs`): logits the user's loss does not use cost no logits-sized zeros."""
     graph = model.graph
-    producers = {name: node for node in graph.node for name in node.output}
-    readers = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    yield_op = next((node for node in graph.node if node.op_type == "YieldOp"), None)
-    outputs = {output.name for output in graph.output} | set(yield_op.input if yield_op is not None else ())
+    producers, readers, outputs, yield_op = _graph_index(graph)
 
     def only_reader(name):
         found = readers.get(name, [])
@@ -174,8 +168,7 @@ def bf16_logits_into_loss(model):
 
     def returned_cast(name):
         """The Cast to bf16 of `name` that is a forward output, or None."""
-        casts = [node for node in readers.get(name, []) if node.op_type == "Cast" and node.output[0] in outputs
-                 and node_attributes(node).get("to") == onnx.TensorProto.BFLOAT16]
+        casts = [node for node in readers.get(name, []) if _returns_bf16(node, outputs)]
         return casts[0] if len(casts) == 1 else None
 
     training = any(torch_node_operator(node) == PRODUCT_GRAD for node in graph.node)
@@ -287,6 +280,69 @@ def _full_shape_outputs_without(yield_op, indices):
             kept = [index for index in attribute.ints if index not in indices]
             del attribute.ints[:]
             attribute.ints.extend(kept)
+
+
+def _graph_index(graph):
+    """(producers {tensor: node}, readers {tensor: [nodes]}, the forward's outputs (the graph's and
+    the YieldOp's inputs), the YieldOp or None) of `graph`."""
+    producers = {name: node for node in graph.node for name in node.output}
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    yield_op = next((node for node in graph.node if node.op_type == "YieldOp"), None)
+    outputs = {output.name for output in graph.output} | set(yield_op.input if yield_op is not None else ())
+    return producers, readers, outputs, yield_op
+
+
+def _returns_bf16(node, outputs):
+    """Whether `node` is a Cast to bf16 whose result is a forward output (`_graph.autocast.cast_outputs`)."""
+    return node.op_type == "Cast" and node.output[0] in outputs \
+        and node_attributes(node).get("to") == onnx.TensorProto.BFLOAT16
+
+
+def bf16_outputs_from_products(model):
+    """In a built ORTModule graph for the CPU (in place): an output autocast returns in bf16 that
+    only a Cast of a bf16 product's fp32 result computes (the seed model's logits, its loss computed
+    by the user in torch) is written by the product in bf16, and in a training graph its gradient
+    (bf16) goes to the product's gradient node as it is, without ONNX Runtime's Cast to fp32: two
+    conversions of an output-sized tensor fewer, the same values (bf16 -> fp32 -> bf16 is exact).
+    A product whose result something else reads, or scaled in fp32 (`scaled_in_fp32`), keeps its
+    Cast. Returns the number of outputs rewritten."""
+    graph = model.graph
+    producers, readers, outputs, _ = _graph_index(graph)
+    replaced, renamed = {}, {}
+    for cast in (node for node in graph.node if _returns_bf16(node, outputs)):
+        result, output, grad = cast.input[0], cast.output[0], f"{cast.output[0]}_grad"
+        product = producers.get(result)
+        if product is None or torch_node_operator(product) != PRODUCT or readers[result] != [cast] \
+                or result in outputs or scaled_in_fp32(torch_node_params_of(product)):
+            continue
+        back = readers[grad][0] if len(readers.get(grad, [])) == 1 else None
+        if grad in producers and not _cast_into_product_gradient(back, product, readers):
+            continue
+        replaced[id(product)] = torch_node(PRODUCT, list(product.input), [output], name=product.name,
+                                           params={**torch_node_params_of(product), "output_bf16": True})
+        replaced[id(cast)] = None
+        if back is not None:  # the product's gradient node reads the bf16 gradient
+            replaced[id(back)], renamed[back.output[0]] = None, grad
+    if replaced:
+        nodes = [replaced.get(id(node), node) for node in graph.node]
+        for node in (node for node in nodes if node is not None):
+            node.input[:] = [renamed.get(name, name) for name in node.input]
+        set_nodes(graph, [node for node in nodes if node is not None])
+    return sum(node is not None for node in replaced.values())  # the products rewritten
+
+
+def _cast_into_product_gradient(back, product, readers):
+    """Whether `back` is a Cast whose result only `product`'s gradient node reads, as the output
+    gradient it computes the operands' gradients from."""
+    found = readers.get(back.output[0], []) if back is not None and back.op_type == "Cast" else []
+    if len(found) != 1:
+        return False
+    node, factors = found[0], product.input[len(torch_node_params_of(product)["operands"]):]
+    return torch_node_operator(node) == PRODUCT_GRAD and node.input[0] == back.output[0] \
+        and node.input[1:3] == factors
 
 
 _LARGE_CAST = 1 << 16  # elements: a smaller Cast stays ONNX Runtime's (a torch node's call costs more there)

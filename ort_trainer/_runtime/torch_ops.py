@@ -269,25 +269,24 @@ class FunctionContexts:
 
 
 _ROWS = 32  # rows of a logits-sized tensor converted at a time: in cache until they are used
-_GRAD_ROWS = 8  # rows of the loss gradient computed in fp32 at a time (50,257 classes: 1.6 MB)
 
 
 def _softmax_grad_to_bf16(inputs, params):
     """The softmax cross-entropy's gradient (`_graph.cpu_kernels`' Exp, ScatterElements and Mul) written
     in bf16: exp(log_prob), each row's label entry set to its gradient (prob - 1), scaled per row,
-    in fp32 a few rows at a time (in cache: no logits-sized fp32 tensor) and rounded as stored.
+    in fp32 a block of rows at a time (no logits-sized fp32 tensor) and rounded as stored.
     A fifth input, the bf16 gradient of an output these values are also the gradient of (ORTModule's
     returned logits), is added in bf16 as autocast's autograd sums two bf16 gradients: of the
     result's size (in any shape), or a scalar (an unused output's zero adds nothing)."""
     log_prob, index, at_label, row_scale, *added = inputs
     result = empty(log_prob.shape, torch.bfloat16)
     added = _added_gradient(added[0], log_prob.shape) if added else None
-    block = empty((min(_GRAD_ROWS, log_prob.shape[0]), *log_prob.shape[1:]), torch.float32)
-    for start in range(0, log_prob.shape[0], _GRAD_ROWS):
-        stop = min(start + _GRAD_ROWS, log_prob.shape[0])
+    block = empty((min(_ROWS, log_prob.shape[0]), *log_prob.shape[1:]), torch.float32)
+    for start in range(0, log_prob.shape[0], _ROWS):
+        stop = min(start + _ROWS, log_prob.shape[0])
         rows = torch.exp(log_prob[start:stop], out=block[:stop - start])
-        rows.scatter_(1, index[start:stop], at_label[start:stop]).mul_(row_scale[start:stop])
-        result[start:stop].copy_(rows)
+        torch.mul(rows.scatter_(1, index[start:stop], at_label[start:stop]), row_scale[start:stop],
+                  out=result[start:stop])
         if added is not None:
             result[start:stop].add_(added[start:stop])
     return [result]
