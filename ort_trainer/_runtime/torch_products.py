@@ -30,8 +30,9 @@ def convolution_args(weight, params):
 
 
 def product(inputs, params):
-    """The forward, its result in fp32 (in bf16 where `output_bf16`: a loss reads it, `_graph.torch_products.
-    bf16_logits_into_loss`): the operands (fp32, in the node's order), then the bf16 copies of the
+    """The forward, its result in fp32 (in bf16 where `output_bf16`: a loss reads it or it is returned in bf16,
+    `_graph.torch_products.bf16_logits_into_loss`, `bf16_outputs_from_products`): the operands (fp32, in the
+    node's order), then the bf16 copies of the
     two factors (`TO_BF16` nodes'), which it computes with; a third operand (a bias) cast to bf16 here."""
     count = len(params["operands"])
     operands = [*inputs[count:], *(tensor.to(_BF16) for tensor in in_operand_order(inputs[:count], params)[2:])]
