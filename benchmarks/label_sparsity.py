@@ -44,12 +44,34 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
+    add_timing_arguments(p)
+    return p.parse_args(argv)
+
+
+def add_timing_arguments(p):
+    """The arguments of an interleaved run (`interleaved`) and its --json."""
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--warmup", type=int, default=2, help="steps per engine before timing")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="steps per engine per round")
     p.add_argument("--json", type=Path, help="write the results here")
-    return p.parse_args(argv)
+
+
+def interleaved(steps, batches, args):
+    """Each engine's step ({engine: step(*batch) -> loss}) on `batches`: args.warmup steps each, then
+    args.rounds rounds of args.steps steps per engine, the engines' order rotating each round.
+    Returns ({engine: every loss}, {engine: median ms/step over the rounds})."""
+    engines = list(steps)
+    losses = {engine: [steps[engine](*batch) for batch in batches[:args.warmup]] for engine in engines}
+    times = {engine: [] for engine in engines}
+    for round_ in range(args.rounds):
+        todo = batches[args.warmup + round_ * args.steps:][:args.steps]
+        shift = round_ % len(engines)
+        for engine in engines[shift:] + engines[:shift]:
+            start = time.perf_counter()
+            losses[engine] += [steps[engine](*batch) for batch in todo]
+            times[engine].append((time.perf_counter() - start) * 1000 / args.steps)
+    return losses, {engine: statistics.median(values) for engine, values in times.items()}
 
 
 def _batches(args, count):
@@ -97,18 +119,7 @@ def main(argv=None):
     model.train()
     steps = {"dense": _trainer(copy.deepcopy(model), args, sparse=False),
              "sparse": _trainer(copy.deepcopy(model), args, sparse=True), "eager": _eager(model)}
-    batches = _batches(args, args.warmup + args.rounds * args.steps)
-    losses = {engine: [] for engine in ENGINES}
-    for engine in ENGINES:
-        losses[engine] += [steps[engine](*batch) for batch in batches[:args.warmup]]
-    times = {engine: [] for engine in ENGINES}
-    for round_ in range(args.rounds):
-        todo = batches[args.warmup + round_ * args.steps:][:args.steps]
-        for engine in ENGINES[round_ % 3:] + ENGINES[:round_ % 3]:
-            start = time.perf_counter()
-            losses[engine] += [steps[engine](*batch) for batch in todo]
-            times[engine].append((time.perf_counter() - start) * 1000 / args.steps)
-    median = {engine: statistics.median(values) for engine, values in times.items()}
+    losses, median = interleaved(steps, _batches(args, args.warmup + args.rounds * args.steps), args)
     worst = max(abs(d - s) / abs(d) for d, s in zip(losses["dense"], losses["sparse"]))
     result = {"config": {key: value for key, value in vars(args).items() if key != "json"},
               "median_ms_per_step": median,

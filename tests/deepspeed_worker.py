@@ -5,7 +5,7 @@ rank; each rank trains the same model with ``deepspeed.initialize`` at that ZeRO
 fp32 and in fp16 (DeepSpeed's loss scaling; stage 0 in fp16 only), three ways: the plain model, the plain model with
 ``FP16_Optimizer`` around the optimizer DeepSpeed returns, and seed 002's recipe (``ORTModule(model)``
 and ``FP16_Optimizer``). It saves each run's losses, gradient norms, weights and the calls of the
-DeepSpeed methods FP16_Optimizer replaces (or the error the run raised) to ``<directory>/rank<r>.pt``.
+DeepSpeed methods FP16_Optimizer replaces to ``<directory>/rank<r>.pt``.
 """
 import importlib
 import sys
@@ -21,8 +21,10 @@ NON_FINITE_STEP = 3  # the loss times inf: every gradient inf or NaN, the update
 
 
 def config(stage, fp16):
+    """ZeRO stage 3 partitions every parameter (none kept whole for being small)."""
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
     return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // WORLD_SIZE, "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.5, "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
+            "gradient_clipping": 0.5, "zero_optimization": zero, "steps_per_print": 10 ** 9,
             "fp16": {"enabled": fp16, "initial_scale_power": 8}}
 
 
@@ -77,16 +79,20 @@ def train(stage, fp16, run, counts):
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(stage, fp16))
     if run != "plain":
         optimizer = FP16_Optimizer(optimizer)
-    losses, norms = [], []
+    losses, norms, partitioned = [], [], None
     for step in range(STEPS):
         x, target = rank_batch(step, torch.distributed.get_rank())
         loss = models.mlp_loss(engine(x.half() if fp16 else x), target)
+        if partitioned is None:  # ZeRO-3: partitioned again after the forward, gathered again for the backward
+            partitioned = [p.numel() == 0 for p in engine.module.parameters()]
         engine.backward(loss * float("inf") if step == NON_FINITE_STEP else loss)
         engine.step()
         losses.append(loss.item())
         norms.append(float(engine.get_global_grad_norm()))
-    weights = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        weights = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     return {"losses": losses, "norms": norms, "weights": weights, "kind": getattr(optimizer, "kind", None),
+            "partitioned": partitioned,
             "calls": dict(counts), "loss_scale": float(getattr(optimizer, "loss_scale", 1.0))}
 
 
@@ -101,13 +107,7 @@ def main(directory, stage):
     deepspeed.init_distributed(dist_backend="gloo")
     counts = {f"{class_name}.{name}": 0 for (_, class_name), names in REPLACED.items() for name in names}
     count_calls(counts)
-    result = {}
-    for fp16 in precisions(stage):
-        for run in RUNS:
-            try:
-                result[fp16, run] = train(stage, fp16, run, counts)
-            except NotImplementedError as error:
-                result[fp16, run] = {"error": f"{type(error).__name__}: {error}"}
+    result = {(fp16, run): train(stage, fp16, run, counts) for fp16 in precisions(stage) for run in RUNS}
     torch.save(result, Path(directory) / f"rank{torch.distributed.get_rank()}.pt")
     torch.distributed.destroy_process_group()
 

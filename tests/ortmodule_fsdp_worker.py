@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
@@ -59,11 +59,13 @@ def batch(step, rank):
     return torch.randn(BATCH, 12, generator=generator), torch.randint(0, CLASSES, (BATCH,), generator=generator)
 
 
-def fsdp_nested(ort):
-    """fully_shard on each block (ORTModule(block) in the "ort" run), then on the model holding them."""
+def fsdp_nested(ort, **sharding):
+    """fully_shard on each block (ORTModule(block) in the "ort" run), then on the model holding them.
+    By default (reshard_after_forward, True below the root) FSDP frees each block's gathered
+    parameters after its forward and gathers them again, into new memory, before its backward."""
     model = stack()
     for index, block in enumerate(model.blocks):
-        model.blocks[index] = fully_shard(ORTModule(block) if ort else block, reshard_after_forward=False)
+        model.blocks[index] = fully_shard(ORTModule(block) if ort else block, **sharding)
     return fully_shard(model), (lambda p: torch.optim.AdamW(p, lr=0.02, weight_decay=0.1))
 
 
@@ -78,42 +80,38 @@ def zero_ddp(ort):
     return model, (lambda p: ZeroRedundancyOptimizer(p, optimizer_class=torch.optim.AdamW, lr=0.02))
 
 
-SCENARIOS = {"fsdp_nested": fsdp_nested, "fsdp_root": fsdp_root, "zero_ddp": zero_ddp}
+SCENARIOS = {"fsdp_nested": fsdp_nested,
+             "fsdp_nested_kept": functools.partial(fsdp_nested, reshard_after_forward=False),
+             "fsdp_root": fsdp_root, "zero_ddp": zero_ddp}
 
 
 def train(make, ort, rank):
     model, make_optimizer = make(ort)
     optimizer = make_optimizer(model.parameters())
-    losses = []
+    losses, freed = [], None
     for step in range(STEPS):
         x, target = batch(step, rank)
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x), target)
+        if freed is None:  # whether each block below the root freed its gathered parameters after its forward
+            freed = [module._get_fsdp_state()._fsdp_param_group.is_sharded for module in model.modules()
+                     if isinstance(module, FSDPModule) and module is not model]
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     weights = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                for name, p in model.named_parameters()}
     graphs = sum(len(module._graphs) for module in model.modules() if isinstance(module, ORTModule))
-    return {"losses": losses, "weights": weights, "graphs": graphs}
+    return {"losses": losses, "weights": weights, "graphs": graphs, "freed": freed}
 
 
-def refusals(rank):
-    """The errors of ORTModule on a model fully_shard already sharded, and of fully_shard(ORTModule(block))
-    with the default reshard_after_forward (True below the root)."""
-    errors = {}
+def refusals():
+    """The error of ORTModule on a model fully_shard already sharded."""
     try:
         ORTModule(fully_shard(Block()))
     except TypeError as error:
-        errors["sharded model"] = str(error)
-    model = stack()
-    model.blocks[0] = fully_shard(ORTModule(model.blocks[0]))
-    fully_shard(model)
-    try:
-        model(batch(0, rank)[0])
-    except NotImplementedError as error:
-        errors["reshard_after_forward"] = str(error)
-    return errors
+        return {"sharded model": str(error)}
+    return {}
 
 
 def main(directory):
@@ -123,7 +121,7 @@ def main(directory):
     rank = dist.get_rank()
     results = {(name, run): train(make, run == "ort", rank) for name, make in SCENARIOS.items()
                for run in ("eager", "ort")}
-    results["refusals"] = refusals(rank)  # last: FSDP's state after a failed forward is undefined
+    results["refusals"] = refusals()
     torch.save(results, Path(directory) / f"rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -88,6 +88,15 @@ def test_label_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path):
     assert result["dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5
 
 
+def test_embedding_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path):
+    result, _ = _run("embedding_sparsity.py", "--vocab", "40", "--width", "16", "--blocks", "1", "--batch", "2",
+        "--seq", "8", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1", tmp_path=tmp_path)
+    assert set(result["median_ms_per_step"]) == {"ortmodule dense", "ortmodule sparse", "ortrainer dense",
+                                                 "ortrainer sparse", "eager"}
+    assert result["ortmodule_dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5
+    assert result["ortrainer_dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5
+
+
 def test_bf16_overhead_benchmark_runs(tmp_path):
     result, _ = _run("bf16_overhead.py", "--vocab", "40", "--rounds", "1", "--steps", "1", tmp_path=tmp_path)
     assert result["bare_products_ms"] > 0 and result["bf16_nodes_ms"] > 0

@@ -75,6 +75,8 @@ HONOURED = {
         "test_options_effect.py::test_number_recompute_layers_counts_the_recomputed_layers",
     "graph_transformer.label_sparsity":
         "test_label_sparsity.py::test_losses_and_weights_equal_the_dense_graph_and_torch",
+    "graph_transformer.embedding_sparsity":
+        "test_embedding_sparsity.py::test_ortrainer_losses_and_weights_equal_the_dense_graph_and_eager",
     "utils.run_symbolic_shape_infer":
         "test_options_effect.py::test_symbolic_shape_inference_annotates_the_graphs_and_trains_the_same",
     "_internal_use.enable_onnx_contrib_ops": "test_options_effect.py::test_the_export_has_no_onnx_runtime_contrib_op",

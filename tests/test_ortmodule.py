@@ -434,18 +434,36 @@ def test_state_dict_parameters_and_pickling_are_the_models():
 
 
 @pytest.mark.parametrize("table", ["_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"])
-def test_the_shared_tables_cannot_be_replaced(table):
-    """DeepSpeed ZeRO-3 replaces every module's _parameters (tests/test_deepspeed.py): refused, with
-    the alternatives, and the model's table left as it was."""
+def test_the_shared_tables_are_replaced_in_both_or_not_at_all(table):
+    """DeepSpeed ZeRO-3 replaces every module's _parameters by a table of its own class holding the
+    same parameters (tests/test_deepspeed.py): the model's is replaced too, the wrapper and the model
+    still share it. A table holding other entries is refused, the model's left as it was."""
     model = models.mlp()
     wrapped, before = ORTModule(model), getattr(model, table)
-    message = (f"ORTModule: its {table} table cannot be replaced (got a builtins.dict): it is the model's. DeepSpeed "
-               "ZeRO stage 3 replaces it to partition the parameters and gather them in each submodule's forward "
-               "hooks, which an ONNX Runtime graph (one run over all parameters, no submodule forward) does not call: "
-               "use ZeRO stage 1 or 2 with ORTModule, or ZeRO stage 3 on the plain model")
+    other = {"other"} if table == "_non_persistent_buffers_set" else {"other": None}
+    message = (f"ORTModule: its {table} table cannot be replaced by a builtins.{type(other).__name__} holding other "
+               "entries: it is the model's (one holding the same entries, as DeepSpeed ZeRO stage 3's, replaces the "
+               "model's too)")
     with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
-        setattr(wrapped, table, {})
+        setattr(wrapped, table, other)
     assert getattr(model, table) is before and getattr(wrapped, table) is before
+    same = type(before)(before)
+    setattr(wrapped, table, same)
+    assert getattr(model, table) is same and getattr(wrapped, table) is same
+
+
+class _IndexingFails(dict):
+    """A parameter table whose indexing has effects (DeepSpeed's ZeROOrderedDict gathers the parameter)."""
+
+    def __getitem__(self, key):
+        raise AssertionError(f"indexed {key!r}")
+
+
+def test_a_replacement_table_is_compared_without_indexing_it():
+    model = nn.Linear(2, 3)
+    wrapped, table = ORTModule(model), _IndexingFails(model._parameters)
+    wrapped._parameters = table
+    assert model._parameters is table and wrapped._parameters is table
 
 
 def test_constructor_refusals():
@@ -580,8 +598,12 @@ def test_debug_options_refuse_bad_arguments(arguments, error, message):
                                                     r"ort_trainer's ORTModule: every custom torch.autograd.Function "
                                                     r"runs its own forward and backward inside the graph"),
     ("ORTMODULE_ENABLE_SPARSE_OPTIMIZER", "1", r"ORTMODULE_ENABLE_SPARSE_OPTIMIZER='1' is not supported by "
-                                               r"ort_trainer's ORTModule: the input-sparsity optimizations"),
-    ("ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "1", r"the embedding-sparsity optimization is not implemented"),
+                                               r"ort_trainer's ORTModule: the input-sparsity optimizations of this "
+                                               r"older switch have a switch each here: "
+                                               r"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER and "
+                                               r"ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER, both on by default"),
+    ("ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "2",
+     r"ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER='2' must be 0 or 1"),
     ("ORTMODULE_PRINT_MEMORY_STATS", "on", r"ORTMODULE_PRINT_MEMORY_STATS='on' must be 0 or 1"),
 ])
 def test_environment_variables_refuse_bad_or_unsupported_values(monkeypatch, variable, value, message):

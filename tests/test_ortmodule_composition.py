@@ -5,10 +5,12 @@ ORTModule (2 gloo processes); what cannot work is refused by name."""
 import pickle
 from copy import deepcopy
 
+import onnx
 import pytest
 import torch
 import torch.nn as nn
 
+from ort_trainer._graph.backward_weights import weights_read_in_backward
 from ort_trainer.ortmodule import ORTModule
 
 from . import ortmodule_fsdp_worker as worker
@@ -32,7 +34,10 @@ def ranks(tmp_path_factory):
 def test_sharded_training_with_ortmodule_is_in_step_with_the_same_run_without(ranks, scenario):
     for run in ranks:
         eager, ort = run[(scenario, "eager")], run[(scenario, "ort")]
-        assert ort["graphs"] == {"fsdp_nested": 2}.get(scenario, 1)  # one per ORTModule, compiled once
+        assert ort["graphs"] == {"fsdp_nested": 2, "fsdp_nested_kept": 2}.get(scenario, 1)  # one per ORTModule
+        # fully_shard's default below the root: the blocks' parameters freed after the forward, gathered again
+        assert ort["freed"] == eager["freed"] == {"fsdp_nested": [True, True], "fsdp_nested_kept": [False, False]}.get(
+            scenario, [])
         for step, (loss, want) in enumerate(zip(ort["losses"], eager["losses"], strict=True)):
             assert abs(loss - want) <= 1e-5 * abs(want), (step, loss, want)
         assert ort["weights"].keys() == eager["weights"].keys()
@@ -41,24 +46,90 @@ def test_sharded_training_with_ortmodule_is_in_step_with_the_same_run_without(ra
             assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5, name
 
 
-def test_fully_shard_that_frees_the_parameters_after_the_forward_and_an_already_sharded_model_are_refused(ranks):
+def test_a_model_fully_shard_already_sharded_is_refused(ranks):
     for run in ranks:
-        errors = run["refusals"]
-        assert errors["reshard_after_forward"].startswith(
-            "fully_shard(ORTModule(Block)) with reshard_after_forward (True by default below the root)")
-        assert "Pass reshard_after_forward=False to fully_shard on the ORTModule" in errors["reshard_after_forward"]
-        assert errors["sharded model"] == (
+        assert run["refusals"]["sharded model"] == (
             "ORTModule: parameters ['norm.weight', 'norm.bias', 'up.weight', 'up.bias', 'down.weight', 'down.bias'] of "
             "the FSDPBlock are DTensors (sharded by FSDP2's fully_shard or tensor parallelism), while the graph reads "
-            "plain tensors; wrap the model before sharding it: fully_shard(ORTModule(model), "
-            "reshard_after_forward=False)")
+            "plain tensors; wrap the model before sharding it: fully_shard(ORTModule(model))")
 
 
-def test_parameters_whose_memory_moves_before_the_backward_are_refused_not_read_freed():
-    wrapped = ORTModule(nn.Linear(4, 3))
-    output = wrapped(torch.randn(2, 4, requires_grad=True))
-    wrapped.weight.data = wrapped.weight.data.clone()  # what FSDP's free and gather again do to its memory
-    with pytest.raises(RuntimeError, match=r"the memory of \['weight'\] moved between the forward and the backward"):
+class Folded(nn.Module):
+    """A LayerNorm (its gradient reads its weight) and a product with a reshaped parameter (the
+    product's gradient reads the reshape, a view of the parameter's memory in ONNX Runtime)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.folded = nn.LayerNorm(8), nn.Parameter(torch.randn(2, 4, 6) / 3)
+
+    def forward(self, x):
+        return torch.matmul(self.norm(x), self.folded.reshape(8, 6)).tanh()
+
+
+def _gathered_again(parameter, values):
+    """What FSDP2 does to a gathered parameter between the forward and the backward: its memory freed
+    (and taken by something else: the NaNs returned), allocated again and filled (here with `values`),
+    the tensor and its version unchanged."""
+    storage = parameter.untyped_storage()
+    storage.resize_(0)
+    taken = torch.full((4096,), float("nan"))
+    storage.resize_(values.numel() * values.element_size())
+    with torch.no_grad():
+        torch.empty(0).set_(storage, 0, parameter.shape, parameter.stride()).copy_(values)
+    return taken
+
+
+def test_the_backward_reads_the_parameters_as_they_are_when_it_runs_as_eager_autograd_does():
+    """Parameters freed and gathered again, into new memory and with new values, between the forward
+    and the backward: the gradients are eager autograd's, which reads them as they are then."""
+    torch.manual_seed(0)
+    eager = Folded()
+    wrapped = ORTModule(deepcopy(eager))
+    x = torch.randn(5, 8)
+    inputs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outputs, taken = [eager(inputs[0]), wrapped(inputs[1])], []
+    for model in (eager, wrapped):
+        for parameter in model.parameters():
+            address = parameter.data_ptr()
+            taken.append(_gathered_again(parameter, parameter.detach() * 2 + 0.1))
+            assert parameter.data_ptr() != address
+    for output in outputs:
+        (output ** 2).sum().backward()
+    torch.testing.assert_close(inputs[1].grad, inputs[0].grad)
+    for (name, want), got in zip(eager.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
+def test_a_weight_a_backward_subgraph_reads_stays_read_in_place():
+    """A weight read inside an If after the YieldOp keeps the forward's memory (the Function refuses
+    it moving); one a backward node reads passes through the YieldOp and a PassThrough."""
+    helper, floats = onnx.helper, onnx.TensorProto.FLOAT
+    branch = helper.make_graph([helper.make_node("Identity", ["w"], ["read"])], "branch", [],
+                               [helper.make_tensor_value_info("read", floats, [2])])
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["y"]), helper.make_node("Mul", ["y", "v"], ["z"]),
+         helper.make_node("YieldOp", ["z"], ["z_grad"], domain="com.microsoft", full_shape_outputs=[0]),
+         helper.make_node("Mul", ["z_grad", "v"], ["y_grad"]),
+         helper.make_node("If", ["c"], ["w_read"], then_branch=branch, else_branch=branch)],
+        "training", [helper.make_tensor_value_info(name, floats, [2]) for name in ("x", "w", "v")]
+        + [helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(name, floats, [2]) for name in ("y_grad", "w_read")])
+    model = helper.make_model(graph)
+    assert weights_read_in_backward(model, ["w", "v"]) == (["v"], ["w"])
+    yield_op, passed, product = model.graph.node[2:5]
+    assert list(yield_op.input) == ["z", "v"] and list(yield_op.output) == ["z_grad", "v_backward_fed"]
+    assert (passed.op_type, list(passed.input), list(passed.output)) == ("PassThrough", ["v_backward_fed"],
+                                                                         ["v_backward"])
+    assert list(product.input) == ["z_grad", "v_backward"]
+    assert list(next(a for a in yield_op.attribute if a.name == "full_shape_outputs").ints) == [0, 1]
+
+
+def test_an_input_whose_memory_moves_before_the_backward_is_refused_not_read_freed():
+    wrapped = ORTModule(nn.LayerNorm(4))
+    x = torch.randn(2, 4, requires_grad=True)
+    output = wrapped(x)
+    x.data = x.data.clone()  # the LayerNorm's gradient reads its input where the forward found it
+    with pytest.raises(RuntimeError, match=r"the memory of \['input'\] moved between the forward and the backward"):
         output.sum().backward()
 
 

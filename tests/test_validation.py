@@ -51,6 +51,7 @@ DEFAULT_OPTIONS = {
     "graph_transformer": {
         "attn_dropout_recompute": False, "gelu_recompute": False, "transformer_layer_recompute": False,
         "number_recompute_layers": 0, "allow_layer_norm_mod_precision": False, "label_sparsity": True,
+        "embedding_sparsity": True,
         "propagate_cast_ops_config": {"strategy": "INSERT_AND_REDUCE", "level": -1, "allow": []},
     },
     "utils": {

@@ -1,6 +1,7 @@
 """ORTModule's compile stage: one input signature of the wrapped model, compiled. The model exported
 (every module in its own train/eval state), training-mode BatchNorms rewritten, label sparsity
-(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss but not its logits), the graph fixes,
+(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss but not its logits), embedding sparsity
+(ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER), the graph fixes,
 ONNX Runtime's ORTModule graph builder, the device's kernel substitutions, then a runner (a
 `TrainingAgent`, or an inference session for calls without gradients).
 
@@ -8,6 +9,7 @@ Parameters and buffers are graph inputs read from the model's own tensors on eve
 no copy); gradients come back as new tensors, for autograd to accumulate into `.grad`.
 """
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -21,9 +23,11 @@ from .._export.outputs import output_names
 from .._export.trace import export_training_model, graph_name
 from .._graph.autocast import cast_outputs, lower_precision
 from .._graph.input_density import density_inputs
+from .._graph.backward_weights import weights_read_in_backward
 from .._graph.batch_norm import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.cpu_low_precision import low_precision_in_fp32
+from .._graph.embedding_sparsity import drop_padding_rows
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.label_sparsity import gather_labelled_rows
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
@@ -75,6 +79,9 @@ class ModuleGraph:
         declare_torch_node_outputs(exported)
         if settings.label_sparsity:  # where forward() returns the loss without the logits
             gather_labelled_rows(exported, outputs)
+        # per embedding with a padding_idx: made sparse, or why not (the density report says)
+        self.sparse_embeddings = [dataclasses.replace(outcome, weight=by_graph_name[outcome.weight])
+                                  for outcome in drop_padding_rows(exported, weights)] if settings.embedding_sparsity else []
         widened = device_type == "cpu" and low_precision_in_fp32(exported)
         inputs_requiring_grad = [i.name for i in exported.graph.input
                                  if needs_grad and i.name in values and values[i.name].requires_grad]
@@ -110,9 +117,12 @@ class ModuleGraph:
             substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
         self.full_shape_grads = gradients_in_full_shape(model_proto)  # after the substitutions, which free some
         graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
+        self._forward_outputs = len(outputs) + len(self.batch_statistics.outputs)
+        read_again, in_place = [], weights + aliases  # weights given to the backward again; weights read in place
         if needs_grad:
             self._reaching = outputs_reaching(model_proto, graph_outputs, outputs)
             self.read_by_backward = outputs_read_by_backward(model_proto, outputs)
+            read_again, in_place = weights_read_in_backward(model_proto, weights + aliases)
             forward_outputs_as_graph_outputs(model_proto, outputs + self.batch_statistics.outputs)
         _save(settings, model_proto, "optimized", training=needs_grad)
         # ORTMODULE_PRINT_MEMORY_STATS=1: the largest tensors, the first forward's and backward's peaks
@@ -122,7 +132,7 @@ class ModuleGraph:
         inputs = [i.name for i in model_proto.graph.input]
         self._runner = ModuleRunner(
             sessions, model_proto.SerializeToString(), inputs, graph_outputs,
-            len(outputs) + len(self.batch_statistics.outputs), trains=needs_grad,
+            self._forward_outputs + len(read_again), trains=needs_grad,
             draws_random_numbers=draws_random_numbers(model_proto),
             optimized_model_path=_path(settings, "execution_model", training=needs_grad),
             priority_order=bool(recomputed))
@@ -131,6 +141,9 @@ class ModuleGraph:
                    **{name: (Source.WEIGHT_WITHOUT_GRADIENT, by_graph_name[name[:-len(NO_GRADIENT_SUFFIX)]])
                       for name in aliases}}
         self._sources = [sources[name] for name in inputs]
+        self.read_again = [inputs.index(name) for name in read_again]  # feeds the backward takes again
+        movable = set(weights + aliases) - set(in_place)  # weights whose memory may move before the backward
+        self.read_in_place = [index for index, name in enumerate(inputs) if name not in movable]
         self.feed_names = [key for _, key in self._sources]  # the call's input or the model's tensor, per feed
         slots = {name: index for index, name in enumerate(built.differentiated)}
         self.gradient_slots = [slots.get(name) for name in inputs]  # each feed's backward output
@@ -169,7 +182,8 @@ class ModuleGraph:
     def run_forward(self, feeds):
         """(outputs, state): the forward of a training call; `state` keeps what its backward reads."""
         with self._memory_measured("forward"):
-            return self._runner.run_forward(feeds)
+            outputs, state = self._runner.run_forward(feeds)
+        return outputs[:self._forward_outputs], state  # not the weights passed through the YieldOp
 
     @contextlib.contextmanager
     def _memory_measured(self, phase):
@@ -189,13 +203,14 @@ class ModuleGraph:
                 f"{name} {dims} {kind} {size / 2 ** 20:.1f} MiB" for size, name, dims, kind in self._memory_stats)
         LOGGER.handle(LOGGER.makeRecord(LOGGER.name, logging.INFO, __file__, 0, message, (), None))
 
-    def run_backward(self, state, output_grads, used):
+    def run_backward(self, state, output_grads, used, feeds):
         """The gradients of the forward's inputs that require one, in feed order, from the gradients
         of its outputs (`output_grads`: tensors, in output order; `used`: the indices of the outputs
-        that received a gradient, the others' are zeros). None for the others, and for those no
-        output in `used` depends on: torch leaves them without a gradient, ONNX Runtime gives zeros."""
+        that received a gradient, the others' are zeros) and the forward's `feeds` as they are now
+        (those in `read_again` are read again). None for the others, and for those no output in
+        `used` depends on: torch leaves them without a gradient, ONNX Runtime gives zeros."""
         with self._memory_measured("backward"):
-            grads = self._runner.run_backward(state, output_grads)
+            grads = self._runner.run_backward(state, [*output_grads, *(feeds[index] for index in self.read_again)])
         return [None if slot is None or not self._reaching[slot] & used else grads[slot]
                 for slot in self.gradient_slots]
 

@@ -24,7 +24,8 @@ class StepSettings:
     or None; graph_save_paths: `debug.graph_save_paths`; check_model_export: prove every graph
     against torch; loss_scaling: the training graph's loss is multiplied by a loss-scale input;
     compute_dtype: 'float16' or 'bfloat16' for mixed precision (`_graph.autocast`), None: fp32;
-    label_sparsity: the loss's projection on the rows whose label counts (`_graph.label_sparsity`)."""
+    label_sparsity: the loss's projection on the rows whose label counts (`_graph.label_sparsity`);
+    embedding_sparsity: per-token layers on the non-padding rows (`_graph.embedding_sparsity`)."""
 
     recompute: object = None
     shape_inference: bool = False
@@ -33,6 +34,7 @@ class StepSettings:
     loss_scaling: bool = False
     compute_dtype: str = None
     label_sparsity: bool = False
+    embedding_sparsity: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class StepCompiler:
             device_type=self._sessions.placement.ort_device, loss_scaling=settings.loss_scaling,
             compute_dtype=settings.compute_dtype,
             recompute=settings.recompute, shape_inference=settings.shape_inference, batch_statistics=statistics,
-            faster_in_torch=self._sessions.faster_in_torch, label_sparsity=settings.label_sparsity)
+            faster_in_torch=self._sessions.faster_in_torch, label_sparsity=settings.label_sparsity,
+            embedding_sparsity=settings.embedding_sparsity)
         save_graphs(paths, training=training, evaluation=evaluation, session_options=self._sessions.session_options(),
                     providers=self._sessions.providers)
         present = [name for name, value in values.items() if value is not None]

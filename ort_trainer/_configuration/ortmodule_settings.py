@@ -5,7 +5,8 @@ DebugOptions, as in the original).
 Implemented: ORTMODULE_ONNX_OPSET_VERSION, ORTMODULE_FALLBACK_POLICY, ORTMODULE_LOG_LEVEL,
 ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER, ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER
 (1, the default, with the compute optimizer on: `_graph.label_sparsity` where forward() returns a loss
-without its logits), ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT (1: a model computed through custom
+without its logits), ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER (1, the default, with the compute optimizer
+on: `_graph.embedding_sparsity`), ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT (1: a model computed through custom
 autograd.Functions is refused, so it runs in PyTorch), ORTMODULE_MEMORY_OPT_LEVEL (0, or 1: the
 model's layers recomputed in the backward, `_graph.recompute.module_groups`; 2 refused),
 ORTMODULE_PRINT_INPUT_DENSITY (1: `ortmodule._density`'s report), ORTMODULE_PRINT_MEMORY_STATS (1: each
@@ -29,14 +30,13 @@ _REFUSED = {
     "ORTMODULE_SKIPPED_AUTOGRAD_FUNCTIONS": ("", "every custom torch.autograd.Function runs its own forward and "
                                              "backward inside the graph: inlining one would differentiate its "
                                              "forward instead of running its backward"),
-    "ORTMODULE_ENABLE_SPARSE_OPTIMIZER": ("0", "the input-sparsity optimizations of this older switch are not "
-                                          "all implemented (embedding padding removal is not; label padding removal "
-                                          "is ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER, on by default)"),
-    "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": ("0", "the embedding-sparsity optimization is not implemented"),
+    "ORTMODULE_ENABLE_SPARSE_OPTIMIZER": ("0", "the input-sparsity optimizations of this older switch have a switch "
+                                          "each here: ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER and "
+                                          "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER, both on by default"),
 }
 _READ = {"ORTMODULE_ONNX_OPSET_VERSION", "ORTMODULE_FALLBACK_POLICY", "ORTMODULE_LOG_LEVEL",
          "ORTMODULE_SAVE_ONNX_PATH", "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER",
-         "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_PRINT_INPUT_DENSITY",
+         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_PRINT_INPUT_DENSITY",
          "ORTMODULE_PRINT_MEMORY_STATS",
          *_REFUSED}
 
@@ -108,6 +108,7 @@ class Settings:
     fallback: FallbackPolicy
     compute_optimizer: bool
     label_sparsity: bool  # `_graph.label_sparsity`: the compute optimizer and the label-sparsity switch on
+    embedding_sparsity: bool  # `_graph.embedding_sparsity`: the compute optimizer and its switch on
     custom_functions: bool  # custom autograd.Functions run in the graph (else the model is refused: fallback)
     save_directory: str | None  # None: save nothing
     onnx_prefix: str
@@ -154,6 +155,8 @@ def settings(debug_options, environ=os.environ):
                     fallback=_fallback(environ), compute_optimizer=_flag(environ, "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER"),
                     label_sparsity=(_flag(environ, "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER")
                                     and _flag(environ, "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER")),
+                    embedding_sparsity=(_flag(environ, "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER")
+                                        and _flag(environ, "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER")),
                     custom_functions=not _flag(environ, "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", default="0"),
                     save_directory=save_directory, onnx_prefix=debug_options.onnx_prefix,
                     layer_recompute=_memory_opt_level(environ) == 1,

@@ -24,13 +24,13 @@ def density_inputs(model):
             rule = (PADDING_IDX, int(attributes["padding_idx"]), node.input[1])
         else:
             continue
-        source = _input_behind(rule[2], producers, inputs)
+        source = input_behind(rule[2], producers, inputs)
         if source is not None:
             found[source] = rule[:2]
     return found
 
 
-def _input_behind(name, producers, inputs):
+def input_behind(name, producers, inputs):
     """The graph input `name` is computed from through position-preserving ops alone, or None."""
     while name not in inputs:
         node = producers.get(name)

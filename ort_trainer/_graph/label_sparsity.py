@@ -44,6 +44,20 @@ def gather_labelled_rows(model, fetched):
     return rewritten
 
 
+def kept_positions(values, empty, p):
+    """Nodes computing, of the 1-D integer tensor `values`, `p + "empty"` (bool: the value is
+    `empty`), `p + "kept"` (its negation) and `p + "kept_rows"` (the kept positions, 1-D int64);
+    `p + "flat"` is the constant [-1]."""
+    make = onnx.helper.make_node
+    return [make("Cast", [values], [p + "values64"], to=onnx.TensorProto.INT64),
+            int64_constant(p + "empty_value", empty),
+            make("Equal", [p + "values64", p + "empty_value"], [p + "empty"]),
+            make("Not", [p + "empty"], [p + "kept"]),
+            make("NonZero", [p + "kept"], [p + "kept_nonzero"]),
+            int64_constant(p + "flat", [-1]),
+            make("Reshape", [p + "kept_nonzero", p + "flat"], [p + "kept_rows"])]
+
+
 def _is_candidate(node):
     attributes = node_attributes(node)
     return (node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx") and len(node.input) == 2
@@ -120,13 +134,7 @@ def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
     labels, ignore_index = loss.input[1], node_attributes(loss)["ignore_index"]
     hidden, classes = projection.input[0], _dims(tensors, loss.input[0])[1]
     hidden_type, hidden_dims = tensors[hidden]
-    nodes = [make("Cast", [labels], [p + "labels64"], to=onnx.TensorProto.INT64),
-             int64_constant(p + "ignore_index", ignore_index),
-             make("Equal", [p + "labels64", p + "ignore_index"], [p + "ignored"]),
-             make("Not", [p + "ignored"], [p + "kept"]),
-             make("NonZero", [p + "kept"], [p + "kept_nonzero"]),
-             int64_constant(p + "flat", [-1]),
-             make("Reshape", [p + "kept_nonzero", p + "flat"], [p + "kept_rows"]),
+    nodes = [*kept_positions(labels, ignore_index, p),
              # no row kept: row 0 (ignored: the loss counts it for nothing): ORT's kernels refuse empty products
              int64_constant(p + "first", [0]),
              make("Concat", [p + "kept_rows", p + "first"], [p + "kept_then_first"], axis=0),

@@ -198,7 +198,7 @@ def outputs_reaching(model_proto, gradients, outputs):
 
 
 # Ops whose output ONNX Runtime may place in its input's memory (a view, not a copy).
-_ALIASING_OPS = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+ALIASING_OPS = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
 
 
 def outputs_read_by_backward(model_proto, outputs):
@@ -222,7 +222,7 @@ def outputs_read_by_backward(model_proto, outputs):
 
 
 def _views(name, producers, consumers):
-    """`name` and the tensors that may share its memory through _ALIASING_OPS, either way."""
+    """`name` and the tensors that may share its memory through ALIASING_OPS, either way."""
     group, stack = set(), [name]
     while stack:
         name = stack.pop()
@@ -230,9 +230,9 @@ def _views(name, producers, consumers):
             continue
         group.add(name)
         producer = producers.get(name)
-        if producer is not None and producer.op_type in _ALIASING_OPS:
+        if producer is not None and producer.op_type in ALIASING_OPS:
             stack.append(producer.input[0])
-        stack.extend(node.output[0] for node in consumers.get(name, ()) if node.op_type in _ALIASING_OPS)
+        stack.extend(node.output[0] for node in consumers.get(name, ()) if node.op_type in ALIASING_OPS)
     return group
 
 

@@ -10,6 +10,7 @@ from .._export.checkpointing import segment_of
 from .._onnx import quiet_session_options
 from .autocast import lower_precision
 from .cpu_kernels import kernel_substitutions
+from .embedding_sparsity import drop_padding_rows
 from .fixes import (builder_fixes_after_optimization, disable_training_mode, padding_rows_without_gradient,
                     prepare_for_gradient, weights_as_inputs)
 from .label_sparsity import gather_labelled_rows
@@ -103,7 +104,7 @@ def symbolic_shapes(model):
 
 def build_graphs(model, trainable, read_only, output_names, loss_name, *, device_type=None, loss_scaling=False,
                  compute_dtype=None, recompute=None, shape_inference=False, batch_statistics=None,
-                 faster_in_torch=None, label_sparsity=False):
+                 faster_in_torch=None, label_sparsity=False, embedding_sparsity=False):
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is
@@ -122,7 +123,8 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     outputs follow `output_names`. `faster_in_torch`: which fp32 products run in torch's kernels
     (`_graph.cpu_products`; CPU graphs), or None. `label_sparsity`: both graphs compute the projection
     and cross-entropy of a loss with an ignore_index on the kept rows only (`_graph.label_sparsity`),
-    where the logits are not fetched.
+    where the logits are not fetched. `embedding_sparsity`: the per-token nodes after an embedding with a
+    padding_idx compute the non-padding rows (`_graph.embedding_sparsity`).
     """
     weights_as_inputs(model, [*trainable, *read_only])  # first: no copy below holds weights
     declare_torch_node_outputs(model)
@@ -130,6 +132,8 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
         model = symbolic_shapes(model)
     if label_sparsity:
         gather_labelled_rows(model, output_names)
+    if embedding_sparsity:
+        drop_padding_rows(model, [*trainable, *read_only])
     eval_model = copy.deepcopy(model)
     disable_training_mode(eval_model)
     padding_rows_without_gradient(eval_model, trainable=())

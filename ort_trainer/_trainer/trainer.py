@@ -107,7 +107,8 @@ class ORTTrainer:
                                 graph_save_paths=options.debug.graph_save_paths,
                                 check_model_export=options.debug.check_model_export,
                                 loss_scaling=self._loss_scaler is not None, compute_dtype=precision.compute_dtype,
-                                label_sparsity=options.graph_transformer.label_sparsity)
+                                label_sparsity=options.graph_transformer.label_sparsity,
+                                embedding_sparsity=options.graph_transformer.embedding_sparsity)
         self._compiler = StepCompiler(model, loss_fn, self._binding, desc, exports=exports, state=self._state,
                                       sessions=self._sessions, settings=settings)
         self._sample_inputs = None  # the first compiled batch: the export sample of export_onnx/save_as_onnx

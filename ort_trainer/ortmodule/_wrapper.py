@@ -6,6 +6,7 @@ API sees the model's own names and tensors: `parameters()` for any torch optimiz
 keys that load into the plain model, `.to()`, DistributedDataParallel's gradient hooks (autograd
 accumulates the graph's gradients into `.grad`). Other attributes are the model's.
 """
+import contextlib
 import functools
 import sys
 import types
@@ -26,6 +27,7 @@ from .._export.probe import custom_functions, custom_functions_refused, layerdro
 from .._graph.autocast import slower_than_fp32, unsupported
 from .._runtime.placement import Placement
 from .._runtime.sessions import Sessions
+from . import _partitioned
 from ._density import DensityReport
 from ._graph_function import _GraphFunction
 
@@ -42,8 +44,9 @@ class ORTModule(torch.nn.Module):
     """Wraps `module` so that its forward and backward run in ONNX Runtime.
 
     `model = ORTModule(model)` and the rest of the PyTorch loop stays: any torch optimizer, LR
-    scheduler, `clip_grad_norm_`, `DistributedDataParallel(ORTModule(model))`, autocast around the
-    loss, `state_dict()` (the model's keys), `torch.save`. Inputs are passed as `module.forward`
+    scheduler, `clip_grad_norm_`, `DistributedDataParallel(ORTModule(model))`, FSDP2's
+    `fully_shard(ORTModule(block))`, `deepspeed.initialize(model=ORTModule(model))` at any ZeRO
+    stage, autocast around the loss, `state_dict()` (the model's keys), `torch.save`. Inputs are passed as `module.forward`
     takes them (tensors by position or keyword; other arguments are constants of the call); any
     tensor outputs come back in the structure forward() returns (tuples, dicts, ModelOutputs).
 
@@ -82,7 +85,7 @@ class ORTModule(torch.nn.Module):
         if sharded:
             raise TypeError(f"ORTModule: parameters {sharded} of the {type(module).__name__} are DTensors (sharded by "
                             "FSDP2's fully_shard or tensor parallelism), while the graph reads plain tensors; wrap the "
-                            "model before sharding it: fully_shard(ORTModule(model), reshard_after_forward=False)")
+                            "model before sharding it: fully_shard(ORTModule(model))")
         own_settings = settings(debug_options)
         torch.nn.Module.__init__(self)  # not the model class's: the wrapper shares the model's tables
         for table in _SHARED_TABLES:
@@ -116,12 +119,15 @@ class ORTModule(torch.nn.Module):
 
     def __setattr__(self, name, value):
         if name in _SHARED_TABLES and "_original_module" in self.__dict__:
-            kind = type(value)
-            raise NotImplementedError(
-                f"ORTModule: its {name} table cannot be replaced (got a {kind.__module__}.{kind.__qualname__}): it is "
-                "the model's. DeepSpeed ZeRO stage 3 replaces it to partition the parameters and gather them in each "
-                "submodule's forward hooks, which an ONNX Runtime graph (one run over all parameters, no submodule "
-                "forward) does not call: use ZeRO stage 1 or 2 with ORTModule, or ZeRO stage 3 on the plain model")
+            if not _same_entries(value, getattr(self, name)):
+                kind = type(value)
+                raise NotImplementedError(
+                    f"ORTModule: its {name} table cannot be replaced by a {kind.__module__}.{kind.__qualname__} "
+                    "holding other entries: it is the model's (one holding the same entries, as DeepSpeed ZeRO stage "
+                    "3's, replaces the model's too)")
+            object.__setattr__(self._original_module, name, value)  # DeepSpeed ZeRO-3's: both share it still
+            object.__setattr__(self, name, value)
+            return
         if name in _OWN or "_original_module" not in self.__dict__:
             torch.nn.Module.__setattr__(self, name, value)
         else:
@@ -164,14 +170,16 @@ class ORTModule(torch.nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
+        partitioned = _partitioned.partitioned(self._original_module.parameters())  # DeepSpeed ZeRO-3's
+        if not partitioned:
+            return self._forward(args, kwargs, None)
+        with _partitioned.gathered(partitioned):
+            return self._forward(args, kwargs, partitioned)
+
+    def _forward(self, args, kwargs, partitioned):
+        """forward() with the parameters whole; `partitioned`: those ZeRO-3 partitions (or None),
+        gathered again for the backward."""
         model = self._original_module
-        if _reshards_after_forward(self):
-            error = NotImplementedError(
-                f"fully_shard(ORTModule({type(model).__name__})) with reshard_after_forward (True by default below the "
-                "root): FSDP frees the gathered parameters after the forward and gathers them again, elsewhere, for "
-                "the backward, while ONNX Runtime's backward reads them where the forward found them. Pass "
-                "reshard_after_forward=False to fully_shard on the ORTModule")
-            return self._fall_back(FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL, error, args, kwargs)
         try:
             binding, values = bind_call(model, args, kwargs)
             named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -180,7 +188,8 @@ class ORTModule(torch.nn.Module):
             return self._fall_back(FallbackPolicy.FALLBACK_UNSUPPORTED_DATA, error, args, kwargs)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._compile(binding, values, named, needs_grad=key[-1])
+            with _partitioned.deepspeed_hooks_suspended(model) if partitioned else contextlib.nullcontext():
+                graph = self._compile(binding, values, named, needs_grad=key[-1])
             key = self._signature(binding, values, named)  # without attributes the probe saw forward() write
             self._graphs.put(key, graph)
         if graph is _PYTORCH:
@@ -188,7 +197,8 @@ class ORTModule(torch.nn.Module):
         if self._settings.input_density:
             self._density.record(graph, values)
         feeds = graph.feeds(values, named)
-        outputs = _GraphFunction.apply(graph, *feeds) if graph.trains else graph.infer(feeds)
+        gather = partitioned and functools.partial(_partitioned.gathered_until_backward_ends, partitioned)
+        outputs = _GraphFunction.apply(graph, gather or None, *feeds) if graph.trains else graph.infer(feeds)
         graph.batch_statistics.update(outputs)  # training-mode BatchNorms: their running statistics, as torch
         return graph.schema.rebuild(outputs)
 
@@ -359,16 +369,18 @@ def _is_model_method(value, model):
             and (code is None or "__class__" not in code.co_freevars))
 
 
+def _same_entries(table, current):
+    """Whether `table` is a table (dict, set) holding what `current` holds (by identity). Read as a
+    plain dict: DeepSpeed's ZeROOrderedDict gathers a partitioned parameter when indexed."""
+    if isinstance(current, dict):
+        theirs, ours = dict(dict.items(table)) if isinstance(table, dict) else None, dict(dict.items(current))
+        return theirs is not None and theirs.keys() == ours.keys() and all(theirs[k] is v for k, v in ours.items())
+    return isinstance(table, set) and table == current
+
+
 def _is_dtensor(tensor):
     tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
     return tensor_module is not None and isinstance(tensor, tensor_module.DTensor)
-
-
-def _reshards_after_forward(module):
-    """Whether `module` is FSDP2's (fully_shard) and frees its gathered parameters after its forward."""
-    fsdp_state = getattr(type(module), "_get_fsdp_state", None)
-    return fsdp_state is not None and any(group.post_forward_mesh_info is not None
-                                          for group in fsdp_state(module)._fsdp_param_groups)
 
 
 def _compute_dtype(device_type):
