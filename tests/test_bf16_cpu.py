@@ -207,7 +207,7 @@ def test_every_product_computes_as_torch_bf16_kernels(bf16_cpu, tmp_path, dtype,
     ops = {node.op_type for node in training}
     assert "ATen" in ops and not ops & _PRODUCT_OPS, ops
     operators = {node.attribute[0].s.decode() for node in training if node.op_type == "ATen"}
-    assert ({"ort_trainer::log_softmax_fp32", "ort_trainer::mul_to_bf16"} <= operators) == loss_only
+    assert ({"ort_trainer::log_softmax_fp32", "ort_trainer::softmax_grad_to_bf16"} <= operators) == loss_only
 
 
 class _Conversions(TorchDispatchMode):
@@ -307,7 +307,7 @@ def test_the_zero_gradient_of_an_unused_output_is_made_once_and_stays_zero(bf16_
         assert losses[0] == pytest.approx(losses[1], rel=LOSS_RTOL), step
     graph, = (graph for graph in wrapped._graphs._graphs.values())
     zeros = list(graph._zero_gradients.values())
-    assert [tuple(z.shape) for z in zeros] == [(2, 16, 64)] and all(bool((z == 0).all()) for z in zeros)
+    assert [tuple(z.shape) for z in zeros] == [()] and all(bool((z == 0).all()) for z in zeros)
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_refused_by_name(monkeypatch):
@@ -478,3 +478,105 @@ def test_logits_stay_bf16_into_the_loss_only_where_the_product_does_not_scale_th
                    ["log_prob"])
     model.opset_import.append(onnx.helper.make_opsetid(TORCH_NODE_DOMAIN, 1))
     assert bf16_logits_into_loss(model) == rewritten
+
+
+# ---------------------------------------------------------------- ORTModule's returned logits
+
+class _ProductsWithLoss(_Products):
+    """Hugging Face's way: the loss computed in forward (on the logits in fp32) and returned with the logits."""
+
+    def forward(self, x, target):
+        logits = super().forward(x)
+        return F.cross_entropy(logits.float(), target), logits
+
+
+@pytest.mark.parametrize("returns", ["loss_and_unused_logits", "loss_and_used_logits", "logits"])
+def test_returned_logits_are_written_in_bf16_and_their_gradient_read_in_bf16(bf16_cpu, monkeypatch, returns):
+    """ORTModule under bf16 autocast on a model returning (loss, logits), or the logits alone (the
+    user's loss in torch): the logits come back in bf16 as autocast returns them, written by their
+    product (`bf16_logits_into_loss`, `bf16_outputs_from_products`), and read by the loss in the
+    graph; the user's gradient of the logits (bf16) is added to the loss's in bf16, as autocast's
+    autograd sums them, or read by the product's gradient as it is. 4 SGD steps against torch with
+    the graph's rules: logits and weights equal, losses within 1e-6 (ONNX Runtime's softmax
+    cross-entropy), the outputs' dtypes eager autocast's. Logits the user's loss does not use get a
+    scalar zero gradient, made once: no logits-sized zeros."""
+    from ort_trainer.ortmodule import ORTModule
+
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    torch.manual_seed(0)
+    model = _ProductsWithLoss() if returns != "logits" else _Products()
+    reference, wrapped = copy.deepcopy(model), ORTModule(model)
+    arguments = (lambda x, target: (x, target)) if returns != "logits" else (lambda x, target: (x,))
+    weight = torch.randn(6, 3, generator=torch.Generator().manual_seed(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = copy.deepcopy(model)(*arguments(*_products_batch(0)))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, wrapped)]
+    losses_close, equal = [], []
+    for step in range(4):
+        x, target = _products_batch(step)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        with _GraphRules():
+            expected_logits = _Products.forward(reference, x).bfloat16()  # autocast's linear returns bf16
+        expected_loss = F.cross_entropy(expected_logits.float(), target)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs = wrapped(*arguments(x, target))
+        if returns == "logits":
+            assert outputs.dtype == eager.dtype == torch.bfloat16
+            logits, loss = outputs, F.cross_entropy(outputs.float(), target)
+        else:
+            assert [t.dtype for t in outputs] == [t.dtype for t in eager] == [torch.float32, torch.bfloat16]
+            loss, logits = outputs
+        for total in ((expected_loss + (expected_logits.float() * weight).sum(), loss + (logits.float() * weight).sum())
+                      if returns == "loss_and_used_logits" else (expected_loss, loss)):
+            total.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+        losses_close.append(torch.allclose(loss, expected_loss.detach(), rtol=1e-6, atol=0))
+        equal.append(torch.equal(logits, expected_logits.detach()))
+    equal += [torch.equal(p.detach(), q.detach()) for p, q in zip(wrapped.parameters(), reference.parameters())]
+    assert all(losses_close) and all(equal), (losses_close, equal)
+    graph, = wrapped._graphs._graphs.values()
+    assert [key[1] for key in graph._zero_gradients] == ([()] if returns == "loss_and_unused_logits" else [])
+
+
+def test_the_loss_gradient_in_bf16_is_the_graph_nodes_and_adds_a_returned_gradient_as_autocast():
+    """`SOFTMAX_GRAD_TO_BF16`: ONNX Runtime's Exp, ScatterElements and Mul of the loss gradient
+    (`_graph.cpu_kernels`), rounded to bf16 as stored; its fifth input, a gradient of the result's
+    size in another shape (the returned logits' [batch, sequence, classes] against the loss's rows)
+    added in bf16 as autocast's autograd sums two bf16 gradients, a scalar (zero: nothing added), or
+    refused by name."""
+    import onnxruntime
+
+    from ort_trainer._graph.torch_node_shapes import SOFTMAX_GRAD_TO_BF16
+    from ort_trainer._runtime.torch_ops import IMPLEMENTATIONS
+
+    generator = torch.Generator().manual_seed(3)
+    rows, classes = 70, 6  # rows: more than one block of the kernel, the last one partial
+    log_prob = torch.log_softmax(torch.randn(rows, classes, generator=generator), 1)
+    index = torch.randint(0, classes, (rows, 1), generator=generator)
+    at_label = log_prob.gather(1, index).exp() - 1
+    row_scale = torch.rand(rows, 1, generator=generator)
+    make, value = onnx.helper.make_node, onnx.helper.make_tensor_value_info
+    graph = onnx.helper.make_graph(
+        [make("Exp", ["log_prob"], ["prob"]), make("ScatterElements", ["prob", "index", "at_label"], ["unscaled"], axis=1),
+         make("Mul", ["unscaled", "row_scale"], ["grad"])], "g",
+        [value("log_prob", onnx.TensorProto.FLOAT, [rows, classes]), value("index", onnx.TensorProto.INT64, [rows, 1]),
+         value("at_label", onnx.TensorProto.FLOAT, [rows, 1]), value("row_scale", onnx.TensorProto.FLOAT, [rows, 1])],
+        [value("grad", onnx.TensorProto.FLOAT, None)])
+    session = onnxruntime.InferenceSession(onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8).SerializeToString(),
+        providers=["CPUExecutionProvider"])
+    feeds = [log_prob, index, at_label, row_scale]
+    ours = torch.from_numpy(session.run(None, dict(zip(["log_prob", "index", "at_label", "row_scale"],
+                                                       (t.numpy() for t in feeds))))[0]).bfloat16()
+    gradient = IMPLEMENTATIONS[SOFTMAX_GRAD_TO_BF16]
+    added = torch.randn(7, 10, classes, generator=generator).bfloat16()
+    assert torch.equal(gradient(feeds, {})[0], ours)
+    assert torch.equal(gradient([*feeds, added], {})[0], ours + added.reshape(rows, classes))
+    assert torch.equal(gradient([*feeds, torch.zeros((), dtype=torch.bfloat16)], {})[0], ours)
+    assert torch.equal(gradient([*feeds, torch.tensor(0.5, dtype=torch.bfloat16)], {})[0], ours + 0.5)
+    with pytest.raises(ValueError, match=re.escape(
+            "softmax_grad_to_bf16: a gradient of shape [7, 6] added to a result of shape [70, 6]: it must have the "
+            "result's size or be a scalar")):
+        gradient([*feeds, added[:, 0]], {})

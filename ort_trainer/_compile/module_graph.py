@@ -32,7 +32,7 @@ from .._graph.embedding_sparsity import Outcome, drop_padding_rows
 from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
 from .._graph.label_sparsity import gather_labelled_rows
 from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
-                                    outputs_reaching, outputs_read_by_backward)
+                                    gradients_in_full_shape, outputs_reaching, outputs_read_by_backward)
 from .._graph.recompute import module_groups, recompute_in_backward
 from .._graph.torch_node_shapes import declare_torch_node_outputs
 from .._graph.training_graphs import draws_random_numbers
@@ -166,6 +166,7 @@ def compile_parts(model, binding, values, schema, sessions, settings, needs_grad
     if substitute is not None:
         # each rewrite finds its nodes in either kind
         substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
+    full_shape_grads = gradients_in_full_shape(model_proto)  # after the substitutions, which free some
     graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
     reaching = read_by_backward = None
     read_again, in_place = [], weights + aliases  # weights given to the backward again; weights read in place
@@ -184,7 +185,7 @@ def compile_parts(model, binding, values, schema, sessions, settings, needs_grad
     movable = set(weights + aliases) - set(in_place)  # weights whose memory may move before the backward
     return GraphParts(model=model_proto, trains=needs_grad, schema=schema, density_inputs=density,
                       statistics=(statistics.modules, statistics.outputs),
-                      non_differentiable=built.non_differentiable, full_shape_grads=built.full_shape_grads,
+                      non_differentiable=built.non_differentiable, full_shape_grads=full_shape_grads,
                       reaching=reaching, read_by_backward=read_by_backward, recomputed=int(recomputed),
                       sources=[sources[name] for name in inputs], gradient_slots=[slots.get(name) for name in inputs],
                       fetched=graph_outputs, sparse_embeddings=sparse_embeddings,

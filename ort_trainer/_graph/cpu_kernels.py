@@ -20,7 +20,7 @@ from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opse
 from .cpu_products import matrix_products_in_torch
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes, substitute_torch_kernels
-from .torch_products import bf16_casts_in_torch, bf16_logits_into_loss
+from .torch_products import bf16_casts_in_torch, bf16_logits_into_loss, bf16_outputs_from_products
 
 
 def kernel_substitutions(device_type):
@@ -43,6 +43,7 @@ def substitute_cpu_kernels(training, evaluation, *, faster_in_torch=None):
     for model in {id(training): training, id(evaluation): evaluation}.values():
         whole_tensor_sums_in_torch(model)
         bf16_logits_into_loss(model)  # after the loss rewrite, whose LogSoftmax reads the logits
+        bf16_outputs_from_products(model)  # then the Casts of outputs the loss does not read
         bf16_casts_in_torch(model)
     if faster_in_torch is not None:
         for model in {id(training): training, id(evaluation): evaluation}.values():

@@ -28,14 +28,12 @@ _UNREACHABLE = re.compile(r"Cannot compute the partial derivative for '([^']+)' 
 class BuiltModuleGraph:
     """The builder's result. `model`: the graph (ModelProto). `differentiated`: the inputs whose
     gradients the backward returns, in order. `non_differentiable`: indices of outputs ONNX
-    Runtime marks non-differentiable. `full_shape_grads`: indices of outputs whose gradient must
-    have the output's shape (others may be a scalar zero). `forward`: the names of the forward's
+    Runtime marks non-differentiable. `forward`: the names of the forward's
     nodes (those of the training graph before its YieldOp that the builder did not add)."""
 
     model: onnx.ModelProto
     differentiated: list
     non_differentiable: list
-    full_shape_grads: set
     forward: frozenset
 
 
@@ -77,7 +75,6 @@ def build_module_graph(exported, initializers, trainable, requiring_grad, output
     return BuiltModuleGraph(
         model=model, differentiated=requiring_grad + trainable,
         non_differentiable=list(info.output_grad_indices_non_differentiable) if trains else [],
-        full_shape_grads=set(info.output_grad_indices_require_full_shape) if trains else set(),
         forward=frozenset(node.name for node in forward_model.graph.node))
 
 
@@ -166,6 +163,16 @@ def forward_outputs_as_graph_outputs(model_proto, names):
     fetches only the gradients (the graph's outputs before this)."""
     described = {value.name: value for value in model_proto.graph.value_info}
     model_proto.graph.output.extend(described[name] for name in names)
+
+
+def gradients_in_full_shape(model_proto):
+    """Indices of the outputs whose gradient must have the output's shape (the YieldOp's
+    `full_shape_outputs`; the others' may be a scalar zero, `_graph.torch_products.bf16_logits_into_loss`
+    frees some); none in a graph without a backward."""
+    yield_op = next((node for node in model_proto.graph.node if node.op_type == "YieldOp"), None)
+    if yield_op is None:
+        return set()
+    return set(next((a.ints for a in yield_op.attribute if a.name == "full_shape_outputs"), ()))
 
 
 def outputs_reaching(model_proto, gradients, outputs):

@@ -14,7 +14,7 @@ TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.torch_products`: a factor's bf1
 TO_FP32 = TORCH_OP_PREFIX + "to_fp32"  # `_graph.torch_products`: a Cast from bf16
 # `_graph.torch_products.bf16_logits_into_loss`: bf16 logits into the loss, its gradient back in bf16
 LOG_SOFTMAX_FP32 = TORCH_OP_PREFIX + "log_softmax_fp32"
-MUL_TO_BF16 = TORCH_OP_PREFIX + "mul_to_bf16"
+SOFTMAX_GRAD_TO_BF16 = TORCH_OP_PREFIX + "softmax_grad_to_bf16"
 
 
 def _einsum_shape(shapes, params):

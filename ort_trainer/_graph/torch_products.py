@@ -20,7 +20,7 @@ import math
 import onnx
 
 from .._onnx import inferred_tensors, node_attributes, set_nodes, torch_node, torch_node_operator, torch_node_params_of
-from .torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, TO_FP32, set_value_info
+from .torch_node_shapes import LOG_SOFTMAX_FP32, SOFTMAX_GRAD_TO_BF16, TO_FP32, set_value_info
 from .torch_nodes import (PRODUCT, PRODUCT_GRAD, TO_BF16, needing_gradient, reached_first,
                           register_torch_node_gradients, replace_nodes)
 
@@ -145,25 +145,34 @@ def bf16_logits_into_loss(model):
     """In a built graph for the CPU (in place): a bf16 product whose result only a (reshaped)
     LogSoftmax reads (the vocabulary projection before the cross-entropy, `_graph.cpu_kernels`)
     returns bf16, the LogSoftmax reads it in fp32 (`LOG_SOFTMAX_FP32`: the values autocast's loss
-    sees, without an fp32 copy of the logits); in a training graph, the loss gradient's last Mul
-    writes bf16 (`MUL_TO_BF16`), which the product's gradient reads as it is. Same values as the
-    fp32 logits and gradient, two conversions of logits-sized tensors fewer. A training graph whose
-    loss gradient is not that Mul keeps fp32, and so does a product that scales its result in fp32
-    (`scaled_in_fp32`). Returns the number of products rewritten."""
+    sees, without an fp32 copy of the logits); in a training graph, the loss gradient (its Exp,
+    ScatterElements and Mul) is one torch node writing bf16 (`SOFTMAX_GRAD_TO_BF16`: no logits-sized
+    fp32 tensor), which the product's gradient reads as it is. Same values as the fp32 logits and
+    gradient, conversions of logits-sized tensors fewer. A training graph whose loss gradient is not
+    those nodes keeps fp32, and so does a product that scales its result in fp32 (`scaled_in_fp32`).
+    Returns the number of products rewritten.
+
+    An ORTModule graph may also return the logits (Hugging Face's models compute the loss in
+    forward and return both), in bf16 as autocast does (`_graph.autocast.cast_outputs`' Cast):
+    then the product writes that output and the loss reads it. In the backward the output's
+    gradient (bf16) is added by `SOFTMAX_GRAD_TO_BF16` to the bf16 loss gradient, as autocast's autograd
+    sums the two bf16 gradients, in place of ONNX Runtime's Cast to fp32 and Sum; a scalar zero
+    adds nothing, so the output's gradient need no longer have its shape (dropped from the YieldOp's
+    `full_shape_outputs`): logits the user's loss does not use cost no logits-sized zeros."""
     graph = model.graph
-    producers = {name: node for node in graph.node for name in node.output}
-    readers = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {output.name for output in graph.output}
+    producers, readers, outputs, yield_op = _graph_index(graph)
 
     def only_reader(name):
         found = readers.get(name, [])
         return found[0] if len(found) == 1 and name not in outputs else None
 
+    def returned_cast(name):
+        """The Cast to bf16 of `name` that is a forward output, or None."""
+        casts = [node for node in readers.get(name, []) if _returns_bf16(node, outputs)]
+        return casts[0] if len(casts) == 1 else None
+
     training = any(torch_node_operator(node) == PRODUCT_GRAD for node in graph.node)
-    replaced, bf16_values, log_probs, rewritten = {}, [], [], 0
+    replaced, renamed, bf16_values, log_probs, freed, rewritten = {}, {}, [], [], [], 0
     for log_softmax in graph.node:
         if log_softmax.op_type != "LogSoftmax" or log_softmax.domain not in ("", "ai.onnx"):
             continue
@@ -172,15 +181,20 @@ def bf16_logits_into_loss(model):
                 and only_reader(logits) is not None:
             reshapes.append(logits)
             logits = producers[logits].input[0]
-        product = producers.get(logits)
-        if product is None or torch_node_operator(product) != PRODUCT or only_reader(logits) is None \
-                or only_reader(log_softmax.input[0]) is None or scaled_in_fp32(torch_node_params_of(product)):
+        product, returned = producers.get(logits), returned_cast(logits)
+        loss_readers = [node for node in readers.get(logits, []) if node is not returned]
+        if product is None or torch_node_operator(product) != PRODUCT or len(loss_readers) != 1 \
+                or logits in outputs or scaled_in_fp32(torch_node_params_of(product)):
             continue
-        gradient = _loss_gradient_into(product, log_softmax.input[0], producers, only_reader) if training else []
+        output_grad = f"{returned.output[0]}_grad" if returned is not None else None
+        gradient = _loss_gradient_into(product, log_softmax.input[0], producers, only_reader,
+                                       output_grad if output_grad in producers else None) if training else []
         if training and not gradient:
             continue
         params = torch_node_params_of(product)
         axis = int(node_attributes(log_softmax).get("axis", -1))
+        if returned is not None:  # the product writes the returned bf16 logits, which the loss reads
+            renamed[logits], replaced[id(returned)] = returned.output[0], None
         replaced[id(product)] = torch_node(PRODUCT, list(product.input), list(product.output), name=product.name,
                                            params={**params, "output_bf16": True})
         replaced[id(log_softmax)] = torch_node(LOG_SOFTMAX_FP32, [log_softmax.input[0]], list(log_softmax.output),
@@ -188,28 +202,54 @@ def bf16_logits_into_loss(model):
         bf16_values += [logits, *reshapes]
         log_probs.append((log_softmax.output[0], log_softmax.input[0]))
         if gradient:
-            mul, grads = gradient
-            replaced[id(mul)] = torch_node(MUL_TO_BF16, list(mul.input), list(mul.output), name=mul.name, params={})
+            (mul, exp, scatter), grads, merge = gradient
+            added = []
+            if merge is not None:  # the returned logits' gradient, added to the loss's
+                summed, cast_back, chain = merge
+                renamed[chain], replaced[id(summed)], replaced[id(cast_back)] = summed.output[0], None, None
+                added = [output_grad]
+                freed.append(list(yield_op.input).index(returned.output[0]))
+            replaced[id(exp)], replaced[id(scatter)] = None, None
+            replaced[id(mul)] = torch_node(SOFTMAX_GRAD_TO_BF16, [*exp.input, *scatter.input[1:], mul.input[1], *added],
+                                           list(mul.output), name=mul.name, params={})
             bf16_values += grads
         rewritten += 1
     if rewritten:
-        set_nodes(graph, [replaced.get(id(node), node) for node in graph.node])
+        nodes = [replaced.get(id(node), node) for node in graph.node]
+        for node in (node for node in nodes if node is not None):
+            node.input[:] = [renamed.get(name, name) for name in node.input]
+            node.output[:] = [renamed.get(name, name) for name in node.output]
+        if freed:
+            _full_shape_outputs_without(yield_op, freed)
+        set_nodes(graph, [node for node in nodes if node is not None])
         tensors = inferred_tensors(model)
         for name in bf16_values:
-            set_value_info(model, name, onnx.TensorProto.BFLOAT16, tensors.get(name, (0, None))[1])
+            set_value_info(model, renamed.get(name, name), onnx.TensorProto.BFLOAT16,
+                           tensors.get(name, (0, None))[1])
         for name, logits in log_probs:  # a torch node's output: typed here
             set_value_info(model, name, onnx.TensorProto.FLOAT, tensors.get(logits, (0, None))[1])
     return rewritten
 
 
-def _loss_gradient_into(product, loss_input, producers, only_reader):
-    """(the Mul that ends the rewritten loss's gradient of `loss_input`, the gradient values from
-    it to the product's gradient node) where that gradient reaches `product`'s gradient node only
-    through Reshapes; else None."""
+def _loss_gradient_into(product, loss_input, producers, only_reader, output_grad):
+    """((the Exp, ScatterElements and Mul of the rewritten loss's gradient of `loss_input`), the
+    gradient values from the Mul to the product's gradient node, the merge) where that gradient
+    reaches `product`'s gradient node only through Reshapes and, where the logits are also returned
+    (`output_grad`: the returned output's gradient), the Sum with that gradient cast to fp32: the
+    merge is (the Sum, the Cast, the value the Sum adds it to), else None. Returns None where the
+    gradient goes elsewhere."""
     mul = producers.get(f"{loss_input}_grad")
+    if mul is not None and mul.op_type == "Sum" and output_grad is not None:  # the loss reads the returned logits
+        mul = next((producers[name] for name in mul.input if name in producers and producers[name].op_type == "Mul"),
+                   None)
     if mul is None or mul.op_type != "Mul" or not mul.input[0].endswith("/fast_sce_grad/unscaled"):
         return None
-    grads, value = [mul.output[0]], mul.output[0]
+    scatter = producers.get(mul.input[0])
+    exp = producers.get(scatter.input[0]) if scatter is not None and scatter.op_type == "ScatterElements" else None
+    if exp is None or exp.op_type != "Exp" or only_reader(exp.output[0]) is not scatter \
+            or only_reader(mul.input[0]) is not mul:
+        return None
+    grads, value, merge = [mul.output[0]], mul.output[0], None
     while True:
         reader = only_reader(value)
         if reader is None:
@@ -217,11 +257,92 @@ def _loss_gradient_into(product, loss_input, producers, only_reader):
         if torch_node_operator(reader) == PRODUCT_GRAD and list(reader.input[:1]) == [value] \
                 and torch_node_params_of(reader).get("kind") == torch_node_params_of(product).get("kind") \
                 and reader.input[1:3] == product.input[len(torch_node_params_of(product)["operands"]):]:
-            return mul, grads
-        if reader.op_type != "Reshape":
+            return ((mul, exp, scatter), grads, merge) if (merge is None) == (output_grad is None) else None
+        if reader.op_type == "Sum" and merge is None and output_grad is not None and len(reader.input) == 2:
+            other = reader.input[1] if reader.input[0] == value else reader.input[0]
+            cast_back = producers.get(other)
+            if cast_back is None or cast_back.op_type != "Cast" or list(cast_back.input) != [output_grad] \
+                    or only_reader(other) is not reader:
+                return None
+            merge = (reader, cast_back, value)
+        elif reader.op_type != "Reshape":
             return None
         value = reader.output[0]
-        grads.append(value)
+        if merge is None or merge[0] is not reader:
+            grads.append(value)
+
+
+def _full_shape_outputs_without(yield_op, indices):
+    """The YieldOp's `full_shape_outputs` (the outputs whose gradient must have their shape)
+    without `indices` (in place)."""
+    for attribute in yield_op.attribute:
+        if attribute.name == "full_shape_outputs":
+            kept = [index for index in attribute.ints if index not in indices]
+            del attribute.ints[:]
+            attribute.ints.extend(kept)
+
+
+def _graph_index(graph):
+    """(producers {tensor: node}, readers {tensor: [nodes]}, the forward's outputs (the graph's and
+    the YieldOp's inputs), the YieldOp or None) of `graph`."""
+    producers = {name: node for node in graph.node for name in node.output}
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    yield_op = next((node for node in graph.node if node.op_type == "YieldOp"), None)
+    outputs = {output.name for output in graph.output} | set(yield_op.input if yield_op is not None else ())
+    return producers, readers, outputs, yield_op
+
+
+def _returns_bf16(node, outputs):
+    """Whether `node` is a Cast to bf16 whose result is a forward output (`_graph.autocast.cast_outputs`)."""
+    return node.op_type == "Cast" and node.output[0] in outputs \
+        and node_attributes(node).get("to") == onnx.TensorProto.BFLOAT16
+
+
+def bf16_outputs_from_products(model):
+    """In a built ORTModule graph for the CPU (in place): an output autocast returns in bf16 that
+    only a Cast of a bf16 product's fp32 result computes (the seed model's logits, its loss computed
+    by the user in torch) is written by the product in bf16, and in a training graph its gradient
+    (bf16) goes to the product's gradient node as it is, without ONNX Runtime's Cast to fp32: two
+    conversions of an output-sized tensor fewer, the same values (bf16 -> fp32 -> bf16 is exact).
+    A product whose result something else reads, or scaled in fp32 (`scaled_in_fp32`), keeps its
+    Cast. Returns the number of outputs rewritten."""
+    graph = model.graph
+    producers, readers, outputs, _ = _graph_index(graph)
+    replaced, renamed = {}, {}
+    for cast in (node for node in graph.node if _returns_bf16(node, outputs)):
+        result, output, grad = cast.input[0], cast.output[0], f"{cast.output[0]}_grad"
+        product = producers.get(result)
+        if product is None or torch_node_operator(product) != PRODUCT or readers[result] != [cast] \
+                or result in outputs or scaled_in_fp32(torch_node_params_of(product)):
+            continue
+        back = readers[grad][0] if len(readers.get(grad, [])) == 1 else None
+        if grad in producers and not _cast_into_product_gradient(back, product, readers):
+            continue
+        replaced[id(product)] = torch_node(PRODUCT, list(product.input), [output], name=product.name,
+                                           params={**torch_node_params_of(product), "output_bf16": True})
+        replaced[id(cast)] = None
+        if back is not None:  # the product's gradient node reads the bf16 gradient
+            replaced[id(back)], renamed[back.output[0]] = None, grad
+    if replaced:
+        nodes = [replaced.get(id(node), node) for node in graph.node]
+        for node in (node for node in nodes if node is not None):
+            node.input[:] = [renamed.get(name, name) for name in node.input]
+        set_nodes(graph, [node for node in nodes if node is not None])
+    return sum(node is not None for node in replaced.values())  # the products rewritten
+
+
+def _cast_into_product_gradient(back, product, readers):
+    """Whether `back` is a Cast whose result only `product`'s gradient node reads, as the output
+    gradient it computes the operands' gradients from."""
+    found = readers.get(back.output[0], []) if back is not None and back.op_type == "Cast" else []
+    if len(found) != 1:
+        return False
+    node, factors = found[0], product.input[len(torch_node_params_of(product)["operands"]):]
+    return torch_node_operator(node) == PRODUCT_GRAD and node.input[0] == back.output[0] \
+        and node.input[1:3] == factors
 
 
 _LARGE_CAST = 1 << 16  # elements: a smaller Cast stays ONNX Runtime's (a torch node's call costs more there)

@@ -28,13 +28,14 @@ from onnxruntime.capi import _pybind_state as C
 from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
 from .._graph.cpu_kernels import GELU_GRAD
 from .._graph.cpu_products import MATRIX_PRODUCT
-from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, MUL_TO_BF16, TO_FP32
+from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, SOFTMAX_GRAD_TO_BF16, TO_FP32
 from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD,
                                   CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT,
                                   PRODUCT_GRAD, RESIZE_GRAD, TO_BF16)
 from .._onnx import in_operand_order
 from .cpu_buffers import converted, empty
-from .torch_products import convolution_args, matrix_product, product, product_gradients
+from .torch_products import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
+                             softmax_grad_to_bf16)
 
 
 class TorchOpError(RuntimeError):
@@ -297,35 +298,6 @@ class FunctionContexts:
             _contexts.pop(number, None)
 
 
-_ROWS = 32  # rows of a logits-sized tensor converted at a time: in cache until they are used
-
-
-def _mul_to_bf16(inputs, params):
-    """a * b written in bf16 (the product in fp32, rounded as it is stored), a block of rows at a
-    time (torch's kernel converting whole tensors is several times slower)."""
-    a, b = inputs
-    shape = torch.broadcast_shapes(a.shape, b.shape)
-    if not shape:
-        return [(a * b).to(torch.bfloat16)]
-    result = empty(shape, torch.bfloat16)
-    a, b = a.expand(shape), b.expand(shape)
-    for start in range(0, shape[0], _ROWS):
-        torch.mul(a[start:start + _ROWS], b[start:start + _ROWS], out=result[start:start + _ROWS])
-    return [result]
-
-
-def _log_softmax_fp32(inputs, params):
-    """log_softmax of bf16 logits computed in fp32 (the values of the fp32 logits' log_softmax),
-    a block of rows at a time along dim 0 (the classes' axis must be another)."""
-    logits, axis = inputs[0], params["axis"]
-    result = empty(logits.shape, torch.float32)
-    if logits.dim() < 2 or axis % logits.dim() == 0:
-        return [torch.log_softmax(logits.float(), axis, out=result)]
-    for start in range(0, logits.shape[0], _ROWS):
-        torch.log_softmax(logits[start:start + _ROWS].float(), axis, out=result[start:start + _ROWS])
-    return [result]
-
-
 #: operator -> implementation(list of input tensors, params) -> list of output tensors
 IMPLEMENTATIONS = {
     RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
@@ -336,11 +308,11 @@ IMPLEMENTATIONS = {
     PRODUCT: product, PRODUCT_GRAD: product_gradients, MATRIX_PRODUCT: matrix_product,
     TO_BF16: lambda inputs, params: [converted(inputs[0], torch.bfloat16)],
     TO_FP32: lambda inputs, params: [converted(inputs[0], torch.float32)],
-    LOG_SOFTMAX_FP32: _log_softmax_fp32,
+    LOG_SOFTMAX_FP32: log_softmax_fp32,
     GELU_GRAD: lambda inputs, params: [torch.ops.aten.gelu_backward.grad_input(  # dy, x (+ the bias, if any)
         inputs[0], inputs[1] + inputs[2] if len(inputs) > 2 else inputs[1], approximate="tanh",
         grad_input=empty(inputs[0].shape, torch.float32))],
-    MUL_TO_BF16: _mul_to_bf16,
+    SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
 

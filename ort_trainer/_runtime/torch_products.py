@@ -1,6 +1,7 @@
 """The kernels of the bf16 product torch nodes (`_graph.torch_products`): fp32 in, bf16 compute
 (torch's kernels accumulate in fp32), fp32 out, as torch.autocast's bf16 ops and their autograd;
-and of the fp32 products moved to torch where its kernel is faster (`matrix_product`).
+and of the fp32 products moved to torch where its kernel is faster (`matrix_product`); the bf16
+loss's kernels (`log_softmax_fp32`, `softmax_grad_to_bf16`: a block of rows at a time).
 
 One gradient node computes every wanted operand's gradient from the output gradient, cast to
 bf16 once, and the factors' bf16 copies the forward read (`TO_BF16` nodes': no operand converted
@@ -8,6 +9,8 @@ again, no forward recomputed): each gradient costs one product, as in torch's ba
 broadcast are summed back to their shape; a weight multiplied by a batch of rows gets one product
 over all the rows, as torch's linear computes it.
 """
+import math
+
 import torch
 
 from .._graph.torch_products import scaled_in_fp32
@@ -30,8 +33,9 @@ def convolution_args(weight, params):
 
 
 def product(inputs, params):
-    """The forward, its result in fp32 (in bf16 where `output_bf16`: a loss reads it, `_graph.torch_products.
-    bf16_logits_into_loss`): the operands (fp32, in the node's order), then the bf16 copies of the
+    """The forward, its result in fp32 (in bf16 where `output_bf16`: a loss reads it or it is returned in bf16,
+    `_graph.torch_products.bf16_logits_into_loss`, `bf16_outputs_from_products`): the operands (fp32, in the
+    node's order), then the bf16 copies of the
     two factors (`TO_BF16` nodes'), which it computes with; a third operand (a bias) cast to bf16 here."""
     count = len(params["operands"])
     operands = [*inputs[count:], *(tensor.to(_BF16) for tensor in in_operand_order(inputs[:count], params)[2:])]
@@ -138,3 +142,49 @@ def matrix_product(inputs, params):
         if params["alpha"] != 1.0:
             result.mul_(params["alpha"])
     return [result.view(*rows, result.shape[-1])]
+
+
+_ROWS = 32  # rows of a logits-sized tensor converted at a time: in cache until they are used
+
+
+def softmax_grad_to_bf16(inputs, params):
+    """The softmax cross-entropy's gradient (`_graph.cpu_kernels`' Exp, ScatterElements and Mul) written
+    in bf16: exp(log_prob), each row's label entry set to its gradient (prob - 1), scaled per row,
+    in fp32 a block of rows at a time (no logits-sized fp32 tensor) and rounded as stored.
+    A fifth input, the bf16 gradient of an output these values are also the gradient of (ORTModule's
+    returned logits), is added in bf16 as autocast's autograd sums two bf16 gradients: of the
+    result's size (in any shape), or a scalar (an unused output's zero adds nothing)."""
+    log_prob, index, at_label, row_scale, *added = inputs
+    result = empty(log_prob.shape, torch.bfloat16)
+    added = _added_gradient(added[0], log_prob.shape) if added else None
+    block = empty((min(_ROWS, log_prob.shape[0]), *log_prob.shape[1:]), torch.float32)
+    for start in range(0, log_prob.shape[0], _ROWS):
+        stop = min(start + _ROWS, log_prob.shape[0])
+        rows = torch.exp(log_prob[start:stop], out=block[:stop - start])
+        torch.mul(rows.scatter_(1, index[start:stop], at_label[start:stop]), row_scale[start:stop],
+                  out=result[start:stop])
+        if added is not None:
+            result[start:stop].add_(added[start:stop])
+    return [result]
+
+
+def _added_gradient(gradient, shape):
+    """`gradient` as added to a result of `shape` (`softmax_grad_to_bf16`): None for a scalar zero."""
+    if gradient.dim() == 0:
+        return gradient.expand(shape) if bool(gradient) else None
+    if gradient.numel() != math.prod(shape):
+        raise ValueError(f"softmax_grad_to_bf16: a gradient of shape {list(gradient.shape)} added to a result of shape "
+                         f"{list(shape)}: it must have the result's size or be a scalar")
+    return gradient.reshape(shape)
+
+
+def log_softmax_fp32(inputs, params):
+    """log_softmax of bf16 logits computed in fp32 (the values of the fp32 logits' log_softmax),
+    a block of rows at a time along dim 0 (the classes' axis must be another)."""
+    logits, axis = inputs[0], params["axis"]
+    result = empty(logits.shape, torch.float32)
+    if logits.dim() < 2 or axis % logits.dim() == 0:
+        return [torch.log_softmax(logits.float(), axis, out=result)]
+    for start in range(0, logits.shape[0], _ROWS):
+        torch.log_softmax(logits[start:start + _ROWS].float(), axis, out=result[start:start + _ROWS])
+    return [result]
