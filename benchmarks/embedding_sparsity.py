@@ -31,7 +31,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.label_sparsity import add_timing_arguments, interleaved  # noqa: E402
+from benchmarks.label_sparsity import add_timing_arguments, interleaved, torch_adamw_step  # noqa: E402
 from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 
 ENGINES = ("ortmodule dense", "ortmodule sparse", "ortrainer dense", "ortrainer sparse", "eager")
@@ -96,7 +96,7 @@ def _ortmodule(model, sparse):
         wrapped = ORTModule(WithLoss(model))
     finally:
         os.environ.pop(SWITCH) if before is None else os.environ.__setitem__(SWITCH, before)
-    return _adamw(wrapped, wrapped)
+    return torch_adamw_step(wrapped, wrapped)
 
 
 def _trainer(model, args, sparse):
@@ -109,19 +109,6 @@ def _trainer(model, args, sparse):
     return lambda ids, labels: trainer.train_step(ids, labels).item()
 
 
-def _adamw(module, loss_fn):
-    """A train step of `module` in torch: loss_fn(ids, labels), backward, AdamW."""
-    adam = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-
-    def step(ids, labels):
-        adam.zero_grad()
-        loss = loss_fn(ids, labels)
-        loss.backward()
-        adam.step()
-        return loss.item()
-    return step
-
-
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -131,7 +118,7 @@ def main(argv=None):
              "ortmodule sparse": _ortmodule(copy.deepcopy(model), sparse=True),
              "ortrainer dense": _trainer(copy.deepcopy(model), args, sparse=False),
              "ortrainer sparse": _trainer(copy.deepcopy(model), args, sparse=True),
-             "eager": _adamw(model, lambda ids, labels: loss_of(model(ids), labels))}
+             "eager": torch_adamw_step(model, lambda ids, labels: loss_of(model(ids), labels))}
     losses, median = interleaved(steps, _batches(args, args.warmup + args.rounds * args.steps), args)
     result = {"config": {key: value for key, value in vars(args).items() if key != "json"},
               "median_ms_per_step": median}
