@@ -18,11 +18,6 @@ def quiet_session_options():
     return options
 
 
-def used_parameters(model):
-    """Names of the initializers and graph inputs of `model`: what it may read as a parameter."""
-    return {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
-
-
 def parameters_as_inputs(model, parameter_names):
     """Parameters become graph inputs so both graphs read them from the flat buffer."""
     kept = []

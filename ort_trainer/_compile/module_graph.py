@@ -222,7 +222,7 @@ class ModuleGraph:
         self.feed_names = [key for _, key in self._sources]  # the call's input or the model's tensor, per feed
         self.gradient_slots = parts.gradient_slots  # each feed's backward output
         self._forward_outputs, self.read_again = parts.forward_outputs, parts.read_again
-        self.read_in_place = parts.read_in_place
+        self.read_in_place = frozenset(parts.read_in_place)  # looked up per feed in every backward
 
     @classmethod
     def compiled(cls, model, binding, values, schema, sessions, settings, needs_grad, *, compute_dtype=None):

@@ -201,8 +201,8 @@ class ORTModule(torch.nn.Module):
         if self._settings.input_density:
             self._density.record(graph, values)
         feeds = graph.feeds(values, named)
-        gather = partitioned and functools.partial(_partitioned.gathered_until_backward_ends, partitioned)
-        outputs = _GraphFunction.apply(graph, gather or None, *feeds) if graph.trains else graph.infer(feeds)
+        gather = functools.partial(_partitioned.gathered_until_backward_ends, partitioned) if partitioned else None
+        outputs = _GraphFunction.apply(graph, gather, *feeds) if graph.trains else graph.infer(feeds)
         graph.batch_statistics.update(outputs)  # training-mode BatchNorms: their running statistics, as torch
         return graph.schema.rebuild(outputs)
 
