@@ -58,6 +58,13 @@ class DiskCache:
 
     def __init__(self, directory):
         self.directory = os.path.abspath(directory)
+        self._said_not_cached = False
+
+    def not_cached(self, whose, why):
+        """Says once (per front end's cache) that `whose` graphs are not stored, and `why`."""
+        if not self._said_not_cached:
+            self._said_not_cached = True
+            LOGGER.warning("%s are not cached on disk: %s", whose, why)
 
     def path(self, key):
         return os.path.join(self.directory, hashlib.sha256(

@@ -27,7 +27,6 @@ class ModuleGraphCache:
 
     def __init__(self, directory):
         self._disk = None if directory is None else DiskCache(directory)
-        self._said = False
 
     def key(self, model, state, binding, values, settings, sessions, *, needs_grad, autocast):
         """The key of this call's graph, or None (no cache, or a model it cannot describe)."""
@@ -85,6 +84,4 @@ class ModuleGraphCache:
         self._disk.store(key, {"parts": meta, "written": state.written}, blobs)
 
     def _not_cached(self, model, why):
-        if not self._said:
-            self._said = True
-            LOGGER.warning("ORTModule: the graphs of %s are not cached on disk: %s", type(model).__name__, why)
+        self._disk.not_cached(f"ORTModule: the graphs of {type(model).__name__}", why)

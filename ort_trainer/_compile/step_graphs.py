@@ -2,7 +2,6 @@
 `CompiledGraph` (training and eval sessions on the flat buffers). The probe and the trace (or a
 graph re-derived from an earlier trace), ORT's gradient builder and the graph fixes, the sessions,
 and the proof of a re-derived graph against torch at its shape."""
-import logging
 from dataclasses import dataclass
 
 import onnx
@@ -17,8 +16,6 @@ from .._runtime.compiled_graph import CompiledGraph, WeightBindings
 from .._runtime.session_config import save_graphs
 from .disk_cache import DiskCache, machine
 from .exports import eval_graph_differs
-
-LOGGER = logging.getLogger("ort_trainer.cache")
 
 _SYNC_BATCH_NORM_REMEDY = ("convert them to BatchNorm: each rank then normalizes with the statistics of its own "
                            "batch, as DistributedDataParallel with nn.BatchNorm*d does; or put them in eval mode")
@@ -100,7 +97,6 @@ class StepCompiler:
         self._model, self._loss_fn, self._binding, self._desc = model, loss_fn, binding, desc
         self._exports, self._state, self._sessions, self._settings = exports, state, sessions, settings
         self._disk = None if settings.cache_directory is None else DiskCache(settings.cache_directory)
-        self._said_not_cached = False
 
     def export(self, values, outputs):
         """The probe, then the trace of these inputs (or a graph re-derived from an earlier trace),
@@ -232,6 +228,4 @@ class StepCompiler:
                                            "written": self._state.written}, blobs)
 
     def _not_cached(self, why):
-        if not self._said_not_cached:
-            self._said_not_cached = True
-            LOGGER.warning("ORTTrainer: the graphs of %s are not cached on disk: %s", type(self._model).__name__, why)
+        self._disk.not_cached(f"ORTTrainer: the graphs of {type(self._model).__name__}", why)
