@@ -50,7 +50,7 @@ def child(args):
     import transformers
 
     from ort_trainer import ORTModule, ORTTrainer, optim
-    from ort_trainer._compile import exports, module_graph
+    from ort_trainer._compile import exports, module_compiler
 
     traces = []
     for module in (exports, module_graph):

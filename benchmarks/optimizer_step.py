@@ -6,7 +6,7 @@
 
 Times, with CUDA events (median of ``--repeats`` after ``--warmup``), one step of:
 
-* ours: the CuPy kernels of ``ort_trainer._optimizers.cuda`` over the flat buffers (two param groups:
+* ours: the CuPy kernels of ``ort_trainer._optimizers.cuda_steps`` over the flat buffers (two param groups:
   matrices with weight decay, biases and LayerNorm without): Adam; Adam with global-norm
   clipping (sum of squares, divisor, Adam: 3 launches, no host sync); Lamb (3 launches); SGD
   with momentum;
@@ -127,7 +127,7 @@ def summarize(samples):
 
 
 def run_ours(cupy, sizes, args):
-    from ort_trainer._optimizers import cuda as _kernels
+    from ort_trainer._optimizers import cuda_steps as _kernels
     from ort_trainer._optimizers.flat import FlatLayout
 
     groups = [[n for _, n, decays in sizes if decays], [n for _, n, decays in sizes if not decays]]

@@ -1,6 +1,6 @@
 """bf16 mixed precision on the CPU (`mixed_precision.dtype='bfloat16'`, ORTModule under
 `torch.autocast('cpu', torch.bfloat16)`): the matrix products run torch's bf16 kernels inside the
-graph (`_graph.torch_products`), decided for CPUs with bf16 instructions (AMX, AVX512-BF16).
+graph (`_graph.bf16_products`), decided for CPUs with bf16 instructions (AMX, AVX512-BF16).
 
 This CI machine may have none: the tests that train declare it has (the `bf16_cpu` fixture), which
 changes the decision only; torch's bf16 kernels run here too, slowly, and the references run them
@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._graph import autocast
 from ort_trainer._graph.autocast import lower_precision
-from ort_trainer._runtime.torch_products import product, product_gradients
+from ort_trainer._runtime.product_kernels import product, product_gradients
 
 from . import test_mixed_precision as mixed
 
@@ -344,7 +344,7 @@ def test_casts_between_fp32_and_bf16_run_in_torch_and_compute_the_same():
     """ONNX Runtime's CPU Cast to and from bf16 is a scalar loop: those Casts become torch nodes
     (`bf16_casts_in_torch`); other Casts stay ONNX Runtime's. The graph's result is the same."""
     from ort_trainer._configuration.runtime_settings import RuntimeSettings
-    from ort_trainer._graph.torch_products import bf16_casts_in_torch
+    from ort_trainer._graph.bf16_products import bf16_casts_in_torch
     from ort_trainer._runtime.placement import Placement
     from ort_trainer._runtime.sessions import Sessions  # registers the torch node executor
 
@@ -468,7 +468,7 @@ def test_logits_stay_bf16_into_the_loss_only_where_the_product_does_not_scale_th
     """A product scaling its bf16 result by alpha in fp32 (a MatMul's alpha: ONNX Runtime fuses a
     scale into it) keeps its fp32 output: bf16 out, the scale would be lost."""
     from ort_trainer._graph.torch_nodes import PRODUCT
-    from ort_trainer._graph.torch_products import bf16_logits_into_loss
+    from ort_trainer._graph.bf16_products import bf16_logits_into_loss
     from ort_trainer._onnx import TORCH_NODE_DOMAIN, torch_node
 
     params = {"kind": "matmul", "alpha": alpha, "trans_a": False, "trans_b": False, "operands": [0, 1]}

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
-from ort_trainer._runtime import cuda as _cuda
+from ort_trainer._runtime import cuda_requirements as _cuda
 from ort_trainer._runtime import session_config as _session_config
-from ort_trainer._runtime.cuda import (CudaUnavailable, nvidia_library, preload_cuda11_libraries, require_cuda,
-                                       require_cuda_provider)
+from ort_trainer._runtime.cuda_requirements import (CudaUnavailable, nvidia_library, preload_cuda11_libraries,
+                                                    require_cuda, require_cuda_provider)
 from ort_trainer._runtime.placement import torch_device
 
 from . import models

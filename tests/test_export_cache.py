@@ -17,7 +17,7 @@ import torch
 import ort_trainer
 from ort_trainer import ORTTrainer, optim
 from ort_trainer._compile import exports as trainer_exports
-from ort_trainer._compile import module_graph
+from ort_trainer._compile import module_compiler
 from ort_trainer._compile.disk_cache import SUFFIX
 from ort_trainer.ortmodule import ORTModule
 
@@ -51,7 +51,7 @@ def exports(monkeypatch):
             return original(*args, **kwargs)
         return trace
 
-    monkeypatch.setattr(module_graph, "export_training_model", counted(module_graph.export_training_model))
+    monkeypatch.setattr(module_graph, "export_training_model", counted(module_compiler.export_training_model))
     monkeypatch.setattr(trainer_exports, "export_training_model", counted(trainer_exports.export_training_model))
     return count
 
@@ -237,8 +237,8 @@ def test_another_process_reads_the_graph_this_one_wrote(tmp_path, monkeypatch):
         import json, sys, torch
         sys.path[:0] = [{str(ROOT)!r}, {str(tmp_path)!r}]
         from ort_trainer.ortmodule import ORTModule
-        from ort_trainer._compile import module_graph
-        module_graph.export_training_model = None  # a trace fails
+        from ort_trainer._compile import module_compiler
+        module_compiler.export_training_model = None  # a trace fails
         from cached_net import Net
         torch.manual_seed(0)
         model = ORTModule(Net())

@@ -21,10 +21,10 @@ from torch.onnx.errors import SymbolicValueError
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._export.symbolics import our_symbolics
 from ort_trainer._export.trace import ExportError
-from ort_trainer._graph.fixes import expand_broadcast_inputs
+from ort_trainer._graph.gradient_builder_preparation import expand_broadcast_inputs
 from ort_trainer._graph.missing_gradient import MissingGradientError, torch_module
 from ort_trainer._graph.normalization import decompose_instance_normalization
-from ort_trainer._graph.training_graphs import build_graphs
+from ort_trainer._graph.trainer_graph_builder import build_graphs
 from ort_trainer.ortmodule import ORTModule
 
 from . import models
@@ -846,7 +846,7 @@ def test_cumsum_with_exclusive_or_reverse_computes_and_differentiates_as_its_def
     CumSum) does not read: such nodes are rewritten first. Values and gradients against torch."""
     from onnx import TensorProto, helper
 
-    from ort_trainer._graph.training_graphs import build_graphs
+    from ort_trainer._graph.trainer_graph_builder import build_graphs
 
     nodes = [helper.make_node("Constant", [], ["axis"], value=onnx.numpy_helper.from_array(np.array(1, np.int64))),
              helper.make_node("Mul", ["x", "w"], ["h"]),

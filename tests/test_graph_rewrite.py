@@ -11,14 +11,14 @@ import torch
 import torch.nn as nn
 
 from ort_trainer import ORTTrainer, optim
-from ort_trainer._compile import step_graphs
+from ort_trainer._compile import trainer_compiler
 from ort_trainer._export import trace as _export
 from ort_trainer._export.binding import bind_inputs
 from ort_trainer._export.trace import graph_name
-from ort_trainer._graph import training_graphs
+from ort_trainer._graph import trainer_graph_builder
 from ort_trainer._graph.cpu_kernels import (fast_gelu_grad, fast_softmax_cross_entropy, gelu_grads_in_torch,
                                             substitute_cpu_kernels)
-from ort_trainer._graph.training_graphs import build_graphs
+from ort_trainer._graph.trainer_graph_builder import build_graphs
 from ort_trainer._onnx import quiet_session_options
 from ort_trainer._runtime.torch_ops import register_executor
 
@@ -291,7 +291,8 @@ def test_gpt2_trains_like_torch_with_the_rewritten_gelu_gradient(monkeypatch):
     trainer = ORTTrainer(model, {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
                                  "outputs": [("loss", [], True)]}, optim.SGDConfig(lr=0.1),
                          options={"utils": {"grad_norm_clip": False}})
-    monkeypatch.setattr(training_graphs, "kernel_substitutions", lambda device_type: lambda training, evaluation, **_: (
+    monkeypatch.setattr(trainer_graph_builder, "kernel_substitutions",
+                        lambda device_type: lambda training, evaluation, **_: (
         rewritten.append((substitute_cpu_kernels(training, evaluation), op_types(training)))))
     sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(0)
@@ -323,7 +324,7 @@ def test_graphs_for_cuda_keep_ort_kernels():
 
 def test_the_cpu_trainer_builds_graphs_for_the_cpu(monkeypatch):
     calls = []
-    monkeypatch.setattr(step_graphs, "build_graphs",
+    monkeypatch.setattr(trainer_compiler, "build_graphs",
                         lambda *args, **kwargs: calls.append(kwargs) or build_graphs(*args, **kwargs))
     trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=models.mlp_loss)
     trainer.train_step(*models.mlp_batch(0))

@@ -19,11 +19,11 @@ import sys
 import numpy as np
 import pytest
 
-from ort_trainer._optimizers import cuda as K
+from ort_trainer._optimizers import cuda_steps as K
 from ort_trainer._optimizers import cuda_launch as L
 from ort_trainer._optimizers import cuda_tables as T
 from ort_trainer._optimizers.flat import FlatLayout
-from ort_trainer._runtime.cuda import NVRTC11, CudaUnavailable, preload_cuda11_libraries
+from ort_trainer._runtime.cuda_requirements import NVRTC11, CudaUnavailable, preload_cuda11_libraries
 
 NVCC = shutil.which("nvcc")
 # The oldest architecture current nvcc targets, and Hopper (the H100 the project measures on).

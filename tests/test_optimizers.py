@@ -585,7 +585,7 @@ def test_cupy_backend_calls_kernels(monkeypatch):
     for name in ("ndarray", "zeros", "float32", "copyto", "asarray"):
         setattr(fake_cupy, name, getattr(np, name))
     calls = []
-    fake_kernels = types.ModuleType("ort_trainer._optimizers.cuda")
+    fake_kernels = types.ModuleType("ort_trainer._optimizers.cuda_steps")
     fake_kernels.require_cupy = lambda: fake_cupy
     fake_kernels.layout_table = lambda layout, family: ("table", family)
     for family in ("sgd", "adam", "lamb"):

@@ -24,7 +24,7 @@ from ort_trainer._configuration.runtime_settings import RuntimeSettings
 from ort_trainer._configuration.validation import load_schema
 from ort_trainer._export.symbolics import MARKER_DOMAIN
 from ort_trainer._graph.recompute import Recompute, layer_stack
-from ort_trainer._graph.training_graphs import symbolic_shapes
+from ort_trainer._graph.trainer_graph_builder import symbolic_shapes
 from ort_trainer._runtime.session_config import (cpu_arena_config, provider_options_from, save_graphs,
                                                  session_options_from)
 

@@ -686,7 +686,7 @@ def test_benchmark_runs_on_a_tiny_configuration(tmp_path):
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_onnx_runtimes_output_during_a_build_is_shown_only_with_an_error(capfd, fails):
-    from ort_trainer._graph.module_graphs import _native_output_held
+    from ort_trainer._graph.module_graph_builder import _native_output_held
     with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
         with _native_output_held(hold=True):
             os.write(2, b"native warning\n")

@@ -41,12 +41,12 @@ def test_install_advice_names_checkout_commands_the_readme_gives():
     one of setup.py's extras, and README's Install section gives that same command."""
     from ort_trainer import _install
     from ort_trainer._optimizers import cuda_launch
-    from ort_trainer._runtime import cuda
+    from ort_trainer._runtime import cuda_requirements
 
     install_section = (ROOT / "README.md").read_text(encoding="utf-8").split("## Install\n")[1].split("\n## ")[0]
     extras = (ROOT / "setup.py").read_text(encoding="utf-8").split("extras_require=")[1]
     named = []
-    for message in (_install._INSTALL, cuda._GPU_EXTRA, cuda_launch._INSTALL_HINT):
+    for message in (_install._INSTALL, cuda_requirements._GPU_EXTRA, cuda_launch._INSTALL_HINT):
         commands = re.findall(r"pip install [^(]*?'[^']*'", message)
         assert commands, message
         for command in commands:

@@ -17,7 +17,7 @@ from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.fingerprint import NotPortable, model_fingerprint, portable_value
 from .._onnx import torch_node_operator
 from .disk_cache import DiskCache, machine
-from .module_graph import GraphParts, ModuleGraph
+from .module_compiler import GraphParts, ModuleGraph
 
 LOGGER = logging.getLogger("ort_trainer.cache")
 

@@ -117,7 +117,7 @@ class Settings:
     onnx_prefix: str
     layer_recompute: bool  # ORTMODULE_MEMORY_OPT_LEVEL=1
     input_density: bool  # ORTMODULE_PRINT_INPUT_DENSITY=1: `ortmodule._density`
-    memory_stats: bool  # ORTMODULE_PRINT_MEMORY_STATS=1: `_compile.module_graph`
+    memory_stats: bool  # ORTMODULE_PRINT_MEMORY_STATS=1: `_compile.module_compiler`
     cache_directory: str | None = None  # ORTMODULE_CACHE_DIR: `_compile.module_cache`; None: no cache
 
     @property

@@ -4,7 +4,7 @@ refusals that name them. It also finds the custom autograd.Functions on the way 
 (run inside the graph: `_export.autograd_functions`; refused where the user turned that off)."""
 import torch
 
-from .batch_norm import untracked_changes
+from .running_statistics import untracked_changes
 from .binding import present_inputs
 from .trace import TracedStep, rng_kept
 
@@ -15,7 +15,7 @@ def probe(model, loss_fn, binding, values, output_names):
 
     Returns (the declared outputs, names of buffers the forward changed). Binding and output
     errors surface here, before any export. A changed buffer other than BatchNorm running
-    statistics (`_export.batch_norm.untracked_changes`) is one no graph writes back: the trainer
+    statistics (`_export.running_statistics.untracked_changes`) is one no graph writes back: the trainer
     refuses such models rather than train them silently wrong. Buffers and the RNG are restored.
     """
     names, tensors = present_inputs(values)

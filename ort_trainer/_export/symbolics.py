@@ -14,7 +14,8 @@ from torch.onnx.errors import SymbolicValueError
 from .autograd_functions import python_op
 from .torch_node_symbolics import torch_node_symbolics
 
-# Domain of the marker nodes our symbolics leave for `_graph.fixes` to rewrite (none reaches ORT).
+# Domain of the marker nodes our symbolics leave for `_graph.gradient_builder_preparation` to rewrite
+# (none reaches ORT).
 MARKER_DOMAIN = "ort_trainer"
 
 _EXPORTING = threading.RLock()  # the registry is process-wide: one export with our symbolics at a time
@@ -414,7 +415,7 @@ def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
 
     Why: torch gives row padding_idx no gradient from the lookup, ONNX's Gather has no such
     argument (torch's symbolic only warns). The marker `ort_trainer::PaddingRows(rows, indices,
-    padding_idx)` tells `_graph.fixes` which rows to keep out of the gradient.
+    padding_idx)` tells `_graph.gradient_builder_preparation` which rows to keep out of the gradient.
     """
     rows = g.op("Gather", weight, indices)
     padding_idx = symbolic_helper._maybe_get_const(padding_idx, "i")

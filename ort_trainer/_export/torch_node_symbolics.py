@@ -133,7 +133,7 @@ def _rrelu(g, x, lower, upper, training, generator):
     (`rrelu_with_noise`, from torch's generator: torch.manual_seed reproduces eager's draws) in a
     torch node no gradient goes through, then x * slopes, whose gradient is those same slopes, as
     torch's (its symbolic's PRelu has no ONNX Runtime gradient). ORTTrainer's eval graph gets the
-    fixed slope instead (`_graph.fixes.disable_training_mode`)."""
+    fixed slope instead (`_graph.gradient_builder_preparation.disable_training_mode`)."""
     if not (GLOBALS.export_training and training):
         return symbolic_opset9.rrelu(g, x, lower, upper, training, generator)
     # the second input is the noise buffer torch's kernel fills: any tensor of x's shape

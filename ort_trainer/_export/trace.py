@@ -17,7 +17,7 @@ import onnx
 import torch
 
 from .autograd_functions import AutogradFunctionRefused
-from .batch_norm import running_statistics_kept
+from .running_statistics import running_statistics_kept
 from .binding import BindingError, present_inputs, select_outputs, training_flags_kept
 from .checkpointing import checkpoints_inlined
 from .guards import DataDependentTraceError, watch_data_dependence

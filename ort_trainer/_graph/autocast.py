@@ -19,13 +19,13 @@ keeps) around an fp32 product: the values autocast's fp16 kernels see and return
 accumulation, as tensor cores and torch's CPU kernels accumulate), gradients included (the
 gradient of each round trip is a round trip), at fp32 speed plus the casts. In bf16, on CPUs
 with bf16 instructions (AMX or AVX512-BF16), the products run torch's bf16 kernels inside the graph
-instead (`_graph.torch_products`; ONNX Runtime's CPU provider has no bf16 kernel); on others bf16
+instead (`_graph.bf16_products`; ONNX Runtime's CPU provider has no bf16 kernel); on others bf16
 is refused (`unsupported`): torch's bf16 products are slower than fp32 there.
 """
 import onnx
 import torch
 
-from .torch_products import products_as_torch_nodes
+from .bf16_products import products_as_torch_nodes
 
 LOWER_PRECISION_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul")
 COMPUTE_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}

@@ -17,7 +17,7 @@ made again from `<weight>_backward`.
 """
 import onnx
 
-from .module_graphs import ALIASING_OPS
+from .module_graph_builder import ALIASING_OPS
 
 SUFFIX = "_backward"
 _FED = "_fed"  # the YieldOp's output, read by the PassThrough to `<weight>_backward`

@@ -20,7 +20,7 @@ from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opse
 from .cpu_products import matrix_products_in_torch
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes, substitute_torch_kernels
-from .torch_products import bf16_casts_in_torch, bf16_logits_into_loss, bf16_outputs_from_products
+from .bf16_products import bf16_casts_in_torch, bf16_logits_into_loss, bf16_outputs_from_products
 
 
 def kernel_substitutions(device_type):

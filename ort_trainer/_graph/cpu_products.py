@@ -20,7 +20,7 @@ from .._onnx import inferred_tensors, node_attributes, torch_node
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes
 
-MATRIX_PRODUCT = TORCH_OP_PREFIX + "matrix_product"  # run by `_runtime.torch_products.matrix_product`
+MATRIX_PRODUCT = TORCH_OP_PREFIX + "matrix_product"  # run by `_runtime.product_kernels.matrix_product`
 _FLOAT = 1  # onnx.TensorProto.FLOAT
 _PRODUCTS = {("", "MatMul"), ("ai.onnx", "MatMul"), ("", "Gemm"), ("ai.onnx", "Gemm"), ("com.microsoft", "FusedMatMul")}
 

@@ -3,7 +3,7 @@ computed again in the backward instead of being kept from the forward, trading c
 as the original ORTTrainer's GeluRecompute, AttentionDropoutRecompute and TransformerLayerRecompute
 transformers did.
 
-Two steps around ONNX Runtime's gradient builder (`_graph.training_graphs.build_graphs`):
+Two steps around ONNX Runtime's gradient builder (`_graph.trainer_graph_builder.build_graphs`):
 
 1. `Recompute.add_nodes`, on the optimized forward: each recomputed node gets a copy
    `<node>_recompute` that computes `<output>_recompute` for each output. ORT's gradient builder
@@ -246,7 +246,7 @@ def has_copies(model):
 
 
 def recompute_in_backward(training, forward, group_of):
-    """ORTModule's training graph (forward, YieldOp, backward: `_graph.module_graphs`), in place:
+    """ORTModule's training graph (forward, YieldOp, backward: `_graph.module_graph_builder`), in place:
     the forward nodes `group_of(node name)` puts in a group (a checkpointed segment, a layer) get
     copies, and the backward reads the copies instead of the forward's tensors, which the forward
     frees once done with them. Returns the number of copies kept.

@@ -10,9 +10,9 @@ from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_operator, torch_node_params_of
 
 EINSUM = TORCH_OP_PREFIX + "einsum"  # `_graph.torch_nodes`
-TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.torch_products`: a factor's bf16 copy, a bf16 Cast
-TO_FP32 = TORCH_OP_PREFIX + "to_fp32"  # `_graph.torch_products`: a Cast from bf16
-# `_graph.torch_products.bf16_logits_into_loss`: bf16 logits into the loss, its gradient back in bf16
+TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.bf16_products`: a factor's bf16 copy, a bf16 Cast
+TO_FP32 = TORCH_OP_PREFIX + "to_fp32"  # `_graph.bf16_products`: a Cast from bf16
+# `_graph.bf16_products.bf16_logits_into_loss`: bf16 logits into the loss, its gradient back in bf16
 LOG_SOFTMAX_FP32 = TORCH_OP_PREFIX + "log_softmax_fp32"
 SOFTMAX_GRAD_TO_BF16 = TORCH_OP_PREFIX + "softmax_grad_to_bf16"
 

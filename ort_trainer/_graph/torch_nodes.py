@@ -30,7 +30,7 @@ CONV_TRANSPOSE_GRAD = TORCH_OP_PREFIX + "conv_transpose_grad"
 EINSUM_GRAD = TORCH_OP_PREFIX + "einsum_grad"
 ADAPTIVE_AVG_POOL_GRAD = TORCH_OP_PREFIX + "adaptive_avg_pool_grad"
 FUNCTION_GRAD = TORCH_OP_PREFIX + "function_grad"
-PRODUCT = TORCH_OP_PREFIX + "bf16_product"  # `_graph.torch_products`
+PRODUCT = TORCH_OP_PREFIX + "bf16_product"  # `_graph.bf16_products`
 PRODUCT_GRAD = TORCH_OP_PREFIX + "bf16_product_grad"
 AUTOGRAD_FUNCTION_GRAD = TORCH_OP_PREFIX + "autograd_function_grad"  # the Function's own backward
 

@@ -4,7 +4,7 @@ Every trainable parameter lives in one flat buffer ``params``, its gradient at t
 ``grads`` (``_optimizers.flat.FlatLayout``). An optimizer validates its hyperparameters, holds the
 algorithm's state (flat arrays in the same layout) and counts updates; the update itself is one
 call to the functional step of the implementation its device names: ``_optimizers.cpu`` ('cpu',
-NumPy buffers) or ``_optimizers.cuda`` ('cuda', CuPy buffers). Both follow the same contract
+NumPy buffers) or ``_optimizers.cuda_steps`` ('cuda', CuPy buffers). Both follow the same contract
 (DESIGN.md, "Optimizers") and match the references of ``_optimizers.reference``.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import cpu, cuda
+from . import cpu, cuda_steps
 from .flat import FlatLayout
 
 
@@ -23,7 +23,7 @@ def implementation_of(device: str, where: str):
     if device == "cpu":
         return cpu, np
     if device == "cuda":
-        return cuda, cuda.require_cupy()
+        return cuda_steps, cuda_steps.require_cupy()
     raise ValueError(f"{where}: device must be 'cpu' or 'cuda', got {device!r}")
 
 
@@ -32,7 +32,7 @@ def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, device: str = 
 
     ``_optimizers.reference.clip_divisor_from_norm`` on N = ||grads||_2. Python floats on the CPU;
     on CUDA 0-d device arrays (no host sync), S ready to pass to ``FlatOptimizer.step``, written
-    into ``buffers`` (``_optimizers.cuda.clip_buffers``) when given: the next call overwrites them.
+    into ``buffers`` (``_optimizers.cuda_steps.clip_buffers``) when given: the next call overwrites them.
     """
     implementation = implementation_of(device, "clip_divisor")[0]
     if device == "cpu":
@@ -78,7 +78,7 @@ class FlatOptimizer:
 
     def count_on_device(self, counters) -> None:
         """Loss scaling on CUDA: from now on the updates are counted in ``counters``
-        (``cuda.device_counters``), where the kernels read t and the loss scaler's update counts
+        (``cuda_steps.device_counters``), where the kernels read t and the loss scaler's update counts
         the applied ones; reading ``step_count`` is then a host sync."""
         if self.device != "cuda":
             raise ValueError(f"{type(self).__name__}.count_on_device: the counters are device arrays; this optimizer "

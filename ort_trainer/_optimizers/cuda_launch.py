@@ -2,7 +2,7 @@
 per process (``importlib.resources``), with ``common.cuh`` pasted in place of its ``#include`` so
 that CuPy's on-disk cache key (a hash of the source text) follows header edits, compiled by NVRTC
 through ``cupy.RawModule(code=..., options=NVRTC_OPTIONS)`` once per device; plus the argument
-checks every launch wrapper of ``_optimizers.cuda`` makes first. CuPy is imported on first use
+checks every launch wrapper of ``_optimizers.cuda_steps`` makes first. CuPy is imported on first use
 only: CPU-only installs import this module fine, and the first GPU call raises an ImportError that
 says what to install.
 """

@@ -4,7 +4,7 @@ dtype) replaces the per-tensor loops those libraries run (one op, and on CUDA of
 per tensor).
 
 torch's ``_foreach_norm`` is the fused op on both devices (a multi-tensor-apply kernel on CUDA,
-one call over the list on the CPU); our CuPy clip kernels (``_optimizers.cuda``) read one flat
+one call over the list on the CPU); our CuPy clip kernels (``_optimizers.cuda_steps``) read one flat
 buffer, which these lists are not. The tests hold both functions to NumPy's float64 math.
 """
 import math

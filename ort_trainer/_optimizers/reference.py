@@ -3,7 +3,7 @@
 The update rules (``sgd_reference``, ``adam_reference``, ``lamb_reference``) work in NumPy on one
 param group at a time, in place, in the dtype of the arrays given (float64 for an oracle),
 temporaries allowed: they document the math and are the oracle of the fast implementations
-(``_optimizers.cpu``, the CUDA kernels of ``_optimizers.cuda``), which must match them. The clip rule
+(``_optimizers.cpu``, the CUDA kernels of ``_optimizers.cuda_steps``), which must match them. The clip rule
 (``clip_divisor_from_norm``) is a function of one number: everything on the host uses it as is.
 """
 from __future__ import annotations

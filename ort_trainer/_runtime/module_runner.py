@@ -48,7 +48,7 @@ class ModuleRunner:
         """(outputs, state): the forward of a training call; `state` keeps what its backward reads
         (ONNX Runtime's, and the contexts of the custom autograd.Functions that ran).
 
-        The outputs are the graph's own (no copy): `_graph.module_graphs.forward_outputs_as_graph_outputs`
+        The outputs are the graph's own (no copy): `_graph.module_graph_builder.forward_outputs_as_graph_outputs`
         keeps their memory out of the backward's reuse and out of the memory pattern, so they live
         as long as the caller holds them."""
         placement = self._sessions.placement

@@ -4,7 +4,7 @@ import contextlib
 import numpy as np
 import torch
 
-from .cuda import require_cuda
+from .cuda_requirements import require_cuda
 
 
 def torch_device(device_id):

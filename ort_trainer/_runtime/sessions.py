@@ -13,7 +13,7 @@ from onnxruntime.capi import _pybind_state as C
 from .._configuration.validation import CPU_PROVIDER, CUDA_PROVIDER
 from .._onnx import TORCH_NODE_DOMAIN, quiet_session_options
 from . import product_speed
-from .cuda import require_cuda_provider
+from .cuda_requirements import require_cuda_provider
 from .memory import memory_policy
 from .session_config import provider_options_from, session_options_from
 from .torch_ops import register_executor

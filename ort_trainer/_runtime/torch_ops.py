@@ -34,7 +34,7 @@ from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUT
                                   PRODUCT_GRAD, RESIZE_GRAD, TO_BF16)
 from .._onnx import in_operand_order
 from .cpu_buffers import converted, empty
-from .torch_products import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
+from .product_kernels import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
                              softmax_grad_to_bf16)
 
 

@@ -14,7 +14,7 @@ after an update copies the counters back (one sync), a write is copied to the de
 """
 import numpy as np
 
-from .._optimizers import cuda as _kernels
+from .._optimizers import cuda_steps as _kernels
 from ..amp import DynamicLossScaler
 from .train_step_info import TrainStepInfo
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _checkpoint_files
-from .._optimizers import cuda as _kernels
+from .._optimizers import cuda_steps as _kernels
 from .._optimizers.algorithms import Lamb, clip_divisor, make_optimizer
 from .._optimizers.cpu import sum_of_squares
 from .._optimizers.flat import FlatLayout, GroupSlice, as_torch

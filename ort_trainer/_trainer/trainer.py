@@ -9,7 +9,7 @@ from .. import _checkpoint_files
 from .._compile import inference as _inference
 from .._compile.cache import GraphCache
 from .._compile.exports import TrainingExports
-from .._compile.step_graphs import StepCompiler, StepSettings
+from .._compile.trainer_compiler import StepCompiler, StepSettings
 from .._configuration.model_desc import parse_model_desc
 from .._configuration.options import ORTTrainerOptions
 from .._configuration.runtime_settings import RuntimeSettings
@@ -344,7 +344,7 @@ class ORTTrainer:
 
     def _compile(self, values, outputs):
         """Export (or re-derive), lay out the flat buffers and the optimizer on the first compile,
-        build (`_compile.step_graphs`)."""
+        build (`_compile.trainer_compiler`)."""
         export = self._compiler.export(values, outputs)
         if self._weights.flat is None:
             self._weights.lay_out(export.weight_names, self._placement, self._distributed)

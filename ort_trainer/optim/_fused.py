@@ -1,5 +1,5 @@
 """``FusedAdam`` and ``FusedLamb``: ``torch.optim.Optimizer``s with apex's names, defaults and math,
-run by the flat-buffer implementations the trainer uses (``_optimizers.cpu``, ``_optimizers.cuda``).
+run by the flat-buffer implementations the trainer uses (``_optimizers.cpu``, ``_optimizers.cuda_steps``).
 
 Why flat: one call updates every parameter (one CUDA launch per phase, cache-sized blocks on the
 CPU), and Lamb's per-tensor trust ratio comes from the segment table. PyTorch has no Lamb; apex's

@@ -6,7 +6,7 @@ skip the padding (`_graph.embedding_sparsity`) or stay dense, and why."""
 import logging
 import weakref
 
-from .._compile.module_graph import LOGGER
+from .._compile.module_compiler import LOGGER
 
 INTERVAL = 100  # calls of one graph between two reports
 

@@ -16,10 +16,10 @@ import torch
 
 from .._compile.cache import GraphCache
 from .._compile.module_cache import ModuleGraphCache
-from .._compile.module_graph import ModuleGraph
+from .._compile.module_compiler import ModuleGraph
 from .._configuration.ortmodule_settings import FallbackPolicy, settings
 from .._configuration.runtime_settings import RuntimeSettings
-from .._export.batch_norm import sync_batch_norm_refused, untracked_changes
+from .._export.running_statistics import sync_batch_norm_refused, untracked_changes
 from .._export.binding import BindingError, bind_call
 from .._export.guards import DataDependentTraceError, ModuleState
 from .._export.outputs import OutputSchema

@@ -1,4 +1,4 @@
-"""A stand-in for the part of CuPy that ort_trainer._optimizers.cuda and tests/gpu/test_kernels_gpu.py use,
+"""A stand-in for the part of CuPy that ort_trainer._optimizers.cuda_steps and tests/gpu/test_kernels_gpu.py use,
 running the real kernels/*.cu on the CPU (emulator.hpp, compiled with g++): the kernels and
 their launch code are exercised where no GPU is.
 

@@ -1,4 +1,5 @@
-"""The CUDA kernels (ort_trainer._optimizers.cuda) against the NumPy references of ort_trainer._optimizers.reference.
+"""The CUDA kernels (ort_trainer._optimizers.cuda_steps) against the NumPy references of
+ort_trainer._optimizers.reference.
 
 The references run in float64 on copies of the same fp32 data; the kernels' fp32 results must
 agree to a relative 1e-6 after one step and 1e-5 after 100 steps, elementwise. "Relative" is to
@@ -16,7 +17,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from ort_trainer._optimizers import cuda as K  # noqa: E402
+from ort_trainer._optimizers import cuda_steps as K  # noqa: E402
 from ort_trainer._optimizers.algorithms import clip_divisor, make_optimizer  # noqa: E402
 from ort_trainer._optimizers.flat import FlatLayout  # noqa: E402
 from ort_trainer._optimizers.reference import adam_reference, lamb_reference, sgd_reference  # noqa: E402

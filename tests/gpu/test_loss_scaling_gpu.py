@@ -15,7 +15,7 @@ cupy = pytest.importorskip("cupy")
 
 from ort_trainer import optim  # noqa: E402
 from ort_trainer._optimizers import cpu as host_kernels  # noqa: E402
-from ort_trainer._optimizers import cuda as K  # noqa: E402
+from ort_trainer._optimizers import cuda_steps as K  # noqa: E402
 from ort_trainer._optimizers.algorithms import make_optimizer  # noqa: E402
 from ort_trainer._optimizers.flat import FlatLayout  # noqa: E402
 from ort_trainer._trainer.device_scaling import DeviceScaling, runs_on_device  # noqa: E402

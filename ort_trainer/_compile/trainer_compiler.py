@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import onnx
 
-from .._export.batch_norm import sync_batch_norm_refused
+from .._export.running_statistics import sync_batch_norm_refused
 from .._export.fingerprint import NotPortable, model_fingerprint
 from .._export.trace import graph_name
-from .._graph.batch_norm import BatchStatistics, running_statistics
+from .._graph.batch_statistics import BatchStatistics, running_statistics
 from .._graph.recompute import has_copies
-from .._graph.training_graphs import LOSS_SCALE_INPUT, build_graphs, draws_random_numbers
-from .._runtime.compiled_graph import CompiledGraph, WeightBindings
+from .._graph.trainer_graph_builder import LOSS_SCALE_INPUT, build_graphs, draws_random_numbers
+from .._runtime.trainer_sessions import CompiledGraph, WeightBindings
 from .._runtime.session_config import save_graphs
 from .disk_cache import DiskCache, machine
 from .exports import eval_graph_differs

@@ -25,17 +25,18 @@ from .._export.trace import export_training_model, graph_name
 from .._graph.autocast import cast_outputs, lower_precision
 from .._graph.backward_weights import weights_read_in_backward
 from .._graph.input_density import density_inputs
-from .._graph.batch_norm import BatchStatistics
+from .._graph.batch_statistics import BatchStatistics
 from .._graph.cpu_kernels import kernel_substitutions
 from .._graph.cpu_low_precision import low_precision_in_fp32
 from .._graph.embedding_sparsity import Outcome, drop_padding_rows
-from .._graph.fixes import NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs
+from .._graph.gradient_builder_preparation import (NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient,
+                                                   weights_as_inputs)
 from .._graph.label_sparsity import gather_labelled_rows
-from .._graph.module_graphs import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
+from .._graph.module_graph_builder import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
                                     gradients_in_full_shape, outputs_reaching, outputs_read_by_backward)
 from .._graph.recompute import module_groups, recompute_in_backward
 from .._graph.torch_node_shapes import declare_torch_node_outputs
-from .._graph.training_graphs import draws_random_numbers
+from .._graph.trainer_graph_builder import draws_random_numbers
 from .._onnx import largest_tensors
 from .._runtime.memory_stats import peak_above_start
 from .._runtime.module_runner import ModuleRunner

@@ -7,7 +7,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 from .._graph.cpu_kernels import target_out_of_range
-from .._graph.fixes import NO_GRADIENT_SUFFIX
+from .._graph.gradient_builder_preparation import NO_GRADIENT_SUFFIX
 from .._onnx import inferred_tensors
 from .memory import TORCH_TO_NUMPY
 from .sessions import seed_random_ops
@@ -54,7 +54,7 @@ class CompiledGraph:
         weights: the `WeightBindings` both graphs read (flat parameters, frozen weights, running
         statistics, constant feeds). model_state: (train/eval flags, attributes) of the model when
         it was traced (`_export.guards.ModuleState`). batch_statistics: the
-        `_graph.batch_norm.BatchStatistics` the training graph returns after `output_names`; each
+        `_graph.batch_statistics.BatchStatistics` the training graph returns after `output_names`; each
         training run updates the running statistics from them. draws_random_numbers: the training
         graph has dropout (ONNX Runtime's generator is seeded from torch's before each run).
         priority_order: the training graph runs in PRIORITY_BASED order (its recompute copies,

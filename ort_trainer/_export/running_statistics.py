@@ -1,6 +1,6 @@
 """BatchNorm modules in training mode, on the torch side: which update running statistics, the
 refusal of SyncBatchNorm, a trace that updates nothing, and torch's update of the running
-statistics from the batch statistics a graph returns (`_graph.batch_norm`)."""
+statistics from the batch statistics a graph returns (`_graph.batch_statistics`)."""
 import contextlib
 import warnings
 

@@ -11,8 +11,8 @@ from .._onnx import quiet_session_options
 from .autocast import lower_precision
 from .cpu_kernels import kernel_substitutions
 from .embedding_sparsity import drop_padding_rows
-from .fixes import (builder_fixes_after_optimization, disable_training_mode, padding_rows_without_gradient,
-                    prepare_for_gradient, weights_as_inputs)
+from .gradient_builder_preparation import (builder_fixes_after_optimization, disable_training_mode,
+                                           padding_rows_without_gradient, prepare_for_gradient, weights_as_inputs)
 from .label_sparsity import gather_labelled_rows
 from .missing_gradient import missing_gradient
 from .recompute import Recompute
@@ -116,9 +116,9 @@ def build_graphs(model, trainable, read_only, output_names, loss_name, *, device
     running statistics). Both graphs get the kernel substitutions of `device_type`
     (`kernel_substitutions`). `compute_dtype` ('float16', 'bfloat16' or None): both graphs compute
     their matrix products in it (`_graph.autocast`). Before the gradient is built, the fixes of
-    `_graph.fixes`; an op without a gradient raises MissingGradientError. `recompute`: a
+    `_graph.gradient_builder_preparation`; an op without a gradient raises MissingGradientError. `recompute`: a
     `_graph.recompute.Recompute` (the recompute options), or None. `shape_inference`: run
-    `symbolic_shapes` on the forward first. `batch_statistics`: a `_graph.batch_norm.BatchStatistics`,
+    `symbolic_shapes` on the forward first. `batch_statistics`: a `_graph.batch_statistics.BatchStatistics`,
     or None: its rewrite of the training-mode BatchNorms of the training graph, whose statistics
     outputs follow `output_names`. `faster_in_torch`: which fp32 products run in torch's kernels
     (`_graph.cpu_products`; CPU graphs), or None. `label_sparsity`: both graphs compute the projection

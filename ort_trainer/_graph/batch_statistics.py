@@ -20,7 +20,7 @@ graphs) read the buffers as graph inputs, so they see every update without a cop
 import onnx
 import torch
 
-from .._export.batch_norm import RUNNING_BUFFERS, tracked_batch_norms, update_running_statistics
+from .._export.running_statistics import RUNNING_BUFFERS, tracked_batch_norms, update_running_statistics
 from .._export.trace import graph_name
 from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset
 from .normalization import channel_affine, element_type, normalized_nodes

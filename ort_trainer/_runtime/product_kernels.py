@@ -1,4 +1,4 @@
-"""The kernels of the bf16 product torch nodes (`_graph.torch_products`): fp32 in, bf16 compute
+"""The kernels of the bf16 product torch nodes (`_graph.bf16_products`): fp32 in, bf16 compute
 (torch's kernels accumulate in fp32), fp32 out, as torch.autocast's bf16 ops and their autograd;
 and of the fp32 products moved to torch where its kernel is faster (`matrix_product`); the bf16
 loss's kernels (`log_softmax_fp32`, `softmax_grad_to_bf16`: a block of rows at a time).
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .._graph.torch_products import scaled_in_fp32
+from .._graph.bf16_products import scaled_in_fp32
 from .._onnx import in_operand_order
 from .cpu_buffers import converted, empty
 
@@ -34,7 +34,7 @@ def convolution_args(weight, params):
 
 def product(inputs, params):
     """The forward, its result in fp32 (in bf16 where `output_bf16`: a loss reads it or it is returned in bf16,
-    `_graph.torch_products.bf16_logits_into_loss`, `bf16_outputs_from_products`): the operands (fp32, in the
+    `_graph.bf16_products.bf16_logits_into_loss`, `bf16_outputs_from_products`): the operands (fp32, in the
     node's order), then the bf16 copies of the
     two factors (`TO_BF16` nodes'), which it computes with; a third operand (a bias) cast to bf16 here."""
     count = len(params["operands"])
