@@ -1,5 +1,7 @@
 """Checks that ONNX Runtime's *training* build is importable, and says what to install if not."""
 import importlib
+import importlib.abc
+import sys
 from importlib import metadata
 
 _DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnxruntime-training-cpu")
@@ -20,9 +22,32 @@ def _installed():
     return found
 
 
-def require_training_build():
+class _WithoutOrtModule(importlib.abc.MetaPathFinder):
+    """Refuses ONNX Runtime's own ORTModule while onnxruntime is first imported: its package check
+    imports it only to learn whether it exists, which took half of the import's time and imported
+    DeepSpeed where installed (and fails with torch 2.13 after all: its exporter hooks are gone).
+    ort-trainer never uses it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "onnxruntime.training.ortmodule":
+            raise ImportError("not imported by ort-trainer")
+        return None
+
+
+def _import_onnxruntime():
+    if "onnxruntime" in sys.modules:
+        return
+    finder = _WithoutOrtModule()
+    sys.meta_path.insert(0, finder)
     try:
         importlib.import_module("onnxruntime")
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def require_training_build():
+    try:
+        _import_onnxruntime()
     except ImportError as error:
         raise ImportError(f"ort-trainer needs ONNX Runtime's training build, and onnxruntime is not "
                           f"importable ({error}): {_INSTALL}") from error

@@ -36,6 +36,14 @@ def test_missing_onnxruntime_says_which_extra_to_install(tmp_path):
         "ort-trainer checkout (README, Install)")
 
 
+def test_importing_ort_trainer_leaves_onnxruntimes_own_ortmodule_and_deepspeed_unimported():
+    script = ("import sys, ort_trainer.ortmodule; "
+              "print(sorted(m for m in sys.modules if m.startswith(('onnxruntime.training.ortmodule', 'deepspeed'))))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
 def test_install_advice_names_checkout_commands_the_readme_gives():
     """ort-trainer is not on PyPI: every install command an error names installs the checkout with
     one of setup.py's extras, and README's Install section gives that same command."""
