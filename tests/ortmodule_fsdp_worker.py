@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ort_trainer.ortmodule import ORTModule
 from tests import ortmodule_ddp_worker
@@ -74,6 +75,11 @@ def fsdp_root(ort):
     return fully_shard(ORTModule(stack()) if ort else stack()), (lambda p: torch.optim.AdamW(p, lr=0.02))
 
 
+def fsdp_root_wrapped(ort):
+    """ORTModule around a model fully_shard sharded already (FSDP's hooks run around the graph)."""
+    return (ORTModule(fully_shard(stack())) if ort else fully_shard(stack())), (lambda p: torch.optim.AdamW(p, lr=0.02))
+
+
 def zero_ddp(ort):
     """DistributedDataParallel(ORTModule(model)) with ZeroRedundancyOptimizer's sharded AdamW."""
     model = nn.parallel.DistributedDataParallel(ORTModule(stack()) if ort else stack())
@@ -82,7 +88,7 @@ def zero_ddp(ort):
 
 SCENARIOS = {"fsdp_nested": fsdp_nested,
              "fsdp_nested_kept": functools.partial(fsdp_nested, reshard_after_forward=False),
-             "fsdp_root": fsdp_root, "zero_ddp": zero_ddp}
+             "fsdp_root": fsdp_root, "fsdp_root_wrapped": fsdp_root_wrapped, "zero_ddp": zero_ddp}
 
 
 def train(make, ort, rank):
@@ -106,12 +112,20 @@ def train(make, ort, rank):
 
 
 def refusals():
-    """The error of ORTModule on a model fully_shard already sharded."""
-    try:
-        ORTModule(fully_shard(Block()))
-    except TypeError as error:
-        return {"sharded model": str(error)}
-    return {}
+    """The errors of ORTModule on a model whose blocks fully_shard sharded on their own, and on a model
+    with a DTensor parameter FSDP does not manage."""
+    errors = {}
+    nested = stack()
+    fully_shard(nested.blocks[1])
+    model_parallel = Block()
+    model_parallel.up.weight = nn.Parameter(distribute_tensor(model_parallel.up.weight.detach(),
+                                                              init_device_mesh("cpu", (WORLD_SIZE,)), [Shard(0)]))
+    for name, model in (("sharded blocks", fully_shard(nested)), ("sharded parameters", model_parallel)):
+        try:
+            ORTModule(model)
+        except TypeError as error:
+            errors[name] = str(error)
+    return errors
 
 
 def main(directory):

@@ -46,12 +46,15 @@ def test_sharded_training_with_ortmodule_is_in_step_with_the_same_run_without(ra
             assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5, name
 
 
-def test_a_model_fully_shard_already_sharded_is_refused(ranks):
+def test_sharded_submodules_and_foreign_dtensors_are_refused(ranks):
     for run in ranks:
-        assert run["refusals"]["sharded model"] == (
-            "ORTModule: parameters ['norm.weight', 'norm.bias', 'up.weight', 'up.bias', 'down.weight', 'down.bias'] of "
-            "the FSDPBlock are DTensors (sharded by FSDP2's fully_shard or tensor parallelism), while the graph reads "
-            "plain tensors; wrap the model before sharding it: fully_shard(ORTModule(model))")
+        assert run["refusals"] == {
+            "sharded blocks": "ORTModule: submodules ['blocks.1'] of the FSDPStack are sharded by FSDP2's fully_shard on "
+            "their own, and their hooks would run inside the graph's traced forward: shard the model as a whole "
+            "(ORTModule(fully_shard(model))), or wrap each block before sharding it: fully_shard(ORTModule(block))",
+            "sharded parameters": "ORTModule: parameters ['up.weight'] of the Block are DTensors (sharded by FSDP2's "
+            "fully_shard or tensor parallelism), while the graph reads plain tensors; wrap the model before sharding "
+            "it: fully_shard(ORTModule(model))"}
 
 
 class Folded(nn.Module):

@@ -30,6 +30,7 @@ from .._runtime.sessions import Sessions
 from . import _partitioned
 from ._density import DensityReport
 from ._distributed_wrappers import DATA_PARALLEL_REFUSED, called_by_data_parallel, is_dtensor, same_entries
+from ._fsdp_root import call_between_hooks, fsdp_state, nested_refusal, sharded_submodules
 from ._graph_function import _GraphFunction
 
 MAX_CACHED_GRAPHS = 8  # as ORTTrainer's utils.max_cached_graphs default
@@ -83,8 +84,10 @@ class ORTModule(torch.nn.Module):
         if isinstance(module, _WRAPPERS):
             raise TypeError(f"ORTModule: module must be the model itself, got a {type(module).__name__}; wrap the "
                             "model first: DistributedDataParallel(ORTModule(model)) (DataParallel is not supported)")
+        if nested := sharded_submodules(module):
+            raise nested_refusal(module, nested)
         sharded = [name for name, parameter in module.named_parameters() if is_dtensor(parameter)]
-        if sharded:
+        if sharded and fsdp_state(module) is None:
             raise TypeError(f"ORTModule: parameters {sharded} of the {type(module).__name__} are DTensors (sharded by "
                             "FSDP2's fully_shard or tensor parallelism), while the graph reads plain tensors; wrap the "
                             "model before sharding it: fully_shard(ORTModule(model))")
@@ -174,7 +177,11 @@ class ORTModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if called_by_data_parallel(self):
             raise TypeError(DATA_PARALLEL_REFUSED)
-        partitioned = _partitioned.partitioned(self._original_module.parameters())  # DeepSpeed ZeRO-3's
+        model = self._original_module
+        if (sharded := fsdp_state(model)) is not None:  # ORTModule(fully_shard(model))
+            return call_between_hooks(model, sharded, lambda args, kwargs: self._forward(args, kwargs, None),
+                                      args, kwargs)
+        partitioned = _partitioned.partitioned(model.parameters())  # DeepSpeed ZeRO-3's
         if not partitioned:
             return self._forward(args, kwargs, None)
         with _partitioned.gathered(partitioned):
