@@ -159,18 +159,19 @@ class StepCompiler:
 
     def check_against_torch(self, graph, values, outputs):
         """Raises GraphDiffers unless the eval graph computes what torch's eval-mode forward does on `values`."""
-        check_eval_graph(graph, self._model, self._loss_fn, self._binding, values, self._desc.output_names,
-                                  outputs, device_type=self._sessions.placement.ort_device,
-                                  compute_dtype=self._settings.compute_dtype)
+        check_eval_graph(graph, self._model, self._loss_fn, self._binding, values, self._desc.output_names, outputs,
+                         device_type=self._sessions.placement.ort_device, compute_dtype=self._settings.compute_dtype)
 
     def _proven_or_none(self, export, values, outputs, weights):
         """(parts, graph) re-derived for a new shape, if it builds and its eval graph matches torch's
-        forward there; None otherwise (e.g. a size the first trace saw as 1 was specialized)."""
+        forward there; None where it differs or ONNX Runtime (or a graph pass) refuses it at this shape
+        (e.g. a size the first trace saw as 1 was specialized): tracing it again decides. Other errors
+        (bugs) propagate."""
         try:
             parts, graph = self._build(export.model, values, outputs, export.model_state, weights)
             self.check_against_torch(graph, values, outputs)
-        except (GraphDiffers, NotImplementedError, *ONNX_RUNTIME_ERRORS):  # ORT rejects the graph at this shape, a
-            return None  # gradient builder refuses it or it differs from torch: tracing it again decides
+        except (GraphDiffers, NotImplementedError, *ONNX_RUNTIME_ERRORS):
+            return None
         return parts, graph
 
     def _build(self, exported, values, outputs, model_state, weights):

@@ -228,8 +228,8 @@ class ORTModule(torch.nn.Module):
 
     def _compile(self, binding, values, named, needs_grad):
         """The graph of a new signature, or _PYTORCH when it cannot be compiled and the fallback
-        policy allows it (`_fallback`). The model's own errors (its forward fails in PyTorch) propagate, and
-        so do errors that are no refusal (bugs)."""
+        policy allows it (`_fallback`). The model's own errors (its forward fails in PyTorch)
+        propagate, and so do errors that are no refusal (bugs)."""
         model = self._original_module
         disk_key, graph = self._from_disk(binding, values, named, needs_grad)
         if graph is not None:  # a graph on disk (ORTMODULE_CACHE_DIR): no probe, no compile
