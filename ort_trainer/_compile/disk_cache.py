@@ -22,12 +22,16 @@ import platform
 import struct
 
 import torch
+from google.protobuf.message import DecodeError
 
 from .._checkpoint_files import atomic_write
 
 LOGGER = logging.getLogger("ort_trainer.cache")
 MAGIC = b"ort-trainer-graph-cache 1\n"
 SUFFIX = ".graph"
+#: what decoding an entry's parts raises where they are not what this code's `store` wrote (another
+#: version of it wrote them): a missing field, a wrong type, a class or dtype that is gone, a bad protobuf
+UNDECODABLE = (KeyError, TypeError, ValueError, AttributeError, ImportError, DecodeError)
 
 
 class CorruptEntry(ValueError):

@@ -2,6 +2,7 @@
 shape, and the proof of a graph against torch's eval-mode forward at its shape."""
 import torch
 
+from .._configuration.refusals import ONNX_RUNTIME_ERRORS
 from .._export.binding import present_inputs, training_flags_kept
 from .._export.probe import check_traceable
 from .._export.trace import GRAPH_PREFIX, ExportError, TracedStep, export_training_model, graph_name, with_input_shapes
@@ -15,11 +16,17 @@ from .._onnx import parameters_as_inputs, rename_initializers
 PROOF_TOLERANCES = {None: (1e-3, 1e-5), "float16": (2e-2, 2e-3), "bfloat16": (1e-1, 1e-2)}
 
 
-def eval_graph_differs(graph, model, loss_fn, binding, values, output_names, fetched, *, device_type="cpu",
-                       compute_dtype=None):
-    """None when the compiled eval graph computes what torch's eval-mode forward (dropout off, no
-    grad; under torch.autocast(device_type, compute_dtype) for a mixed-precision graph) does on
-    `values`, else what differs: the proof of a re-derived graph, and debug.check_model_export."""
+class GraphDiffers(RuntimeError):
+    """The compiled eval graph does not compute what torch's eval-mode forward does; where it fails
+    to run, chained to ONNX Runtime's error."""
+
+
+def check_eval_graph(graph, model, loss_fn, binding, values, output_names, fetched, *, device_type="cpu",
+                     compute_dtype=None):
+    """Raises GraphDiffers, saying what differs, unless the compiled eval graph computes what torch's
+    eval-mode forward (dropout off, no grad; under torch.autocast(device_type, compute_dtype) for a
+    mixed-precision graph) does on `values`: the proof of a re-derived graph, and
+    debug.check_model_export."""
     names, tensors = present_inputs(values)
     autocast = torch.autocast(device_type, dtype=getattr(torch, compute_dtype or "float32"),
                               enabled=compute_dtype is not None)
@@ -28,18 +35,18 @@ def eval_graph_differs(graph, model, loss_fn, binding, values, output_names, fet
         expected = dict(zip(output_names, TracedStep(model, loss_fn, binding, names, output_names)(*tensors)))
     try:
         ours = graph.run(values, training=False, quiet=True)
-    except Exception as error:  # e.g. a Reshape to a size the exporter baked in
-        return f"the exported graph fails: {type(error).__name__}: {str(error).splitlines()[0]}"
+    except ONNX_RUNTIME_ERRORS as error:  # e.g. a Reshape to a size the exporter baked in
+        raise GraphDiffers(f"the exported graph fails: {type(error).__name__}: {str(error).splitlines()[0]}") from error
     rtol, atol = PROOF_TOLERANCES[compute_dtype]
     for name, tensor in zip(fetched, ours):
         theirs = expected[name]
         if tensor.shape != theirs.shape:
-            return f"output {name!r} of the exported graph has shape {list(tensor.shape)}, torch's {list(theirs.shape)}"
+            raise GraphDiffers(f"output {name!r} of the exported graph has shape {list(tensor.shape)}, torch's "
+                               f"{list(theirs.shape)}")
         theirs = theirs.to(tensor.dtype)
         if not torch.allclose(tensor, theirs, rtol=rtol, atol=atol):
-            return (f"output {name!r} of the exported graph differs from the torch model by up to "
-                    f"{(tensor - theirs).abs().max().item():.3g} (rtol {rtol:g}, atol {atol:g})")
-    return None
+            raise GraphDiffers(f"output {name!r} of the exported graph differs from the torch model by up to "
+                               f"{(tensor - theirs).abs().max().item():.3g} (rtol {rtol:g}, atol {atol:g})")
 
 
 class TrainingExports:

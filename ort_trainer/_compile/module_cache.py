@@ -16,7 +16,7 @@ import logging
 from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.fingerprint import NotPortable, model_fingerprint, portable_value
 from .._onnx import torch_node_operator
-from .disk_cache import DiskCache, machine
+from .disk_cache import UNDECODABLE, DiskCache, machine
 from .module_compiler import GraphParts, ModuleGraph
 
 LOGGER = logging.getLogger("ort_trainer.cache")
@@ -59,7 +59,7 @@ class ModuleGraphCache:
         try:
             parts = GraphParts.decoded(meta["parts"], blobs)
             written = meta["written"]
-        except Exception as error:  # not what `store` wrote: compiled again
+        except UNDECODABLE as error:  # not what `store` wrote: compiled again
             self._disk.discard(key, f"{type(error).__name__}: {error}")
             return None
         graph = ModuleGraph(model, parts, sessions, settings)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from .._configuration.refusals import ONNX_RUNTIME_ERRORS
 from .._export.running_statistics import sync_batch_norm_refused
 from .._export.fingerprint import NotPortable, model_fingerprint
 from .._export.trace import graph_name
@@ -14,8 +15,8 @@ from .._graph.recompute import has_copies
 from .._graph.trainer_graph_builder import LOSS_SCALE_INPUT, build_graphs, draws_random_numbers
 from .._runtime.trainer_sessions import CompiledGraph, WeightBindings
 from .._runtime.session_config import save_graphs
-from .disk_cache import DiskCache, machine
-from .exports import eval_graph_differs
+from .disk_cache import UNDECODABLE, DiskCache, machine
+from .exports import GraphDiffers, check_eval_graph
 
 _SYNC_BATCH_NORM_REMEDY = ("convert them to BatchNorm: each rank then normalizes with the statistics of its own "
                            "batch, as DistributedDataParallel with nn.BatchNorm*d does; or put them in eval mode")
@@ -112,7 +113,7 @@ class StepCompiler:
                 meta, blobs = entry
                 parts, names = StepParts.decoded(meta["parts"], blobs), frozenset(meta["weight_names"])
                 self._state.forgets_written(meta["written"])
-            except Exception as error:  # not what `build` wrote: compiled again
+            except UNDECODABLE as error:  # not what `build` wrote: compiled again
                 self._disk.discard(key, f"{type(error).__name__}: {error}")
             else:
                 return Export(None, False, self._state.read(), names, cached=parts, disk_key=key)
@@ -144,9 +145,10 @@ class StepCompiler:
             built = self._build(traced, values, outputs, export.model_state, weights)
         parts, graph = built
         if self._settings.check_model_export:
-            difference = self.differs_from_torch(graph, values, outputs)
-            if difference is not None:
-                raise RuntimeError(f"debug.check_model_export: {difference}")
+            try:
+                self.check_against_torch(graph, values, outputs)
+            except GraphDiffers as difference:
+                raise RuntimeError(f"debug.check_model_export: {difference}") from difference
         if export.cached is None and export.disk_key is not None:
             self._store(export, parts, graph)
         return graph
@@ -155,20 +157,22 @@ class StepCompiler:
         """The forward + loss model with the current weights (the original's `save_as_onnx`)."""
         return self._exports.with_weights(values)
 
-    def differs_from_torch(self, graph, values, outputs):
-        """None when the eval graph computes what torch's eval-mode forward does on `values`."""
-        return eval_graph_differs(graph, self._model, self._loss_fn, self._binding, values, self._desc.output_names,
-                                  outputs, device_type=self._sessions.placement.ort_device,
-                                  compute_dtype=self._settings.compute_dtype)
+    def check_against_torch(self, graph, values, outputs):
+        """Raises GraphDiffers unless the eval graph computes what torch's eval-mode forward does on `values`."""
+        check_eval_graph(graph, self._model, self._loss_fn, self._binding, values, self._desc.output_names, outputs,
+                         device_type=self._sessions.placement.ort_device, compute_dtype=self._settings.compute_dtype)
 
     def _proven_or_none(self, export, values, outputs, weights):
         """(parts, graph) re-derived for a new shape, if it builds and its eval graph matches torch's
-        forward there; None otherwise (e.g. a size the first trace saw as 1 was specialized)."""
+        forward there; None where it differs or ONNX Runtime (or a graph pass) refuses it at this shape
+        (e.g. a size the first trace saw as 1 was specialized): tracing it again decides. Other errors
+        (bugs) propagate."""
         try:
             parts, graph = self._build(export.model, values, outputs, export.model_state, weights)
-        except Exception:  # ORT rejects the graph at this shape: tracing it again decides
+            self.check_against_torch(graph, values, outputs)
+        except (GraphDiffers, NotImplementedError, *ONNX_RUNTIME_ERRORS):
             return None
-        return (parts, graph) if self.differs_from_torch(graph, values, outputs) is None else None
+        return parts, graph
 
     def _build(self, exported, values, outputs, model_state, weights):
         """(StepParts, CompiledGraph): training and eval graphs from an export (consumed), on the flat buffers."""

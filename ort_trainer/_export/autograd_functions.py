@@ -19,12 +19,13 @@ import torch
 from torch.onnx._internal.torchscript_exporter import _type_utils
 from torch.utils._pytree import tree_leaves
 
+from .._configuration.refusals import OnnxModelRefused
 from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
 
 AUTOGRAD_FUNCTION = "ort_trainer::autograd_function"
 
 
-class AutogradFunctionRefused(NotImplementedError):
+class AutogradFunctionRefused(OnnxModelRefused):
     """A custom autograd.Function called in a way a graph cannot reproduce; the message says what
     to change."""
 

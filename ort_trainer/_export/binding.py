@@ -36,12 +36,17 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
+from .._configuration.ortmodule_settings import FallbackPolicy
+from .._configuration.refusals import Refusal
+
 _NO_CACHE = {"use_cache": False}
 _INVALID = "Invalid model_desc: "
 
 
-class BindingError(ValueError):
+class BindingError(Refusal, ValueError):
     """model_desc and the model's forward()/outputs do not fit together."""
+
+    fallback = FallbackPolicy.FALLBACK_UNSUPPORTED_DATA
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ import traceback
 
 import torch
 
+from .._configuration.refusals import TorchModelRefused
+
 _MODULE_MACHINERY = frozenset(vars(torch.nn.Module()))  # tables, hook dicts, the train/eval flag
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, f"_global{name}") for name in _HOOKS)
@@ -98,7 +100,7 @@ def _frozen(value, objects, depth=0):
     return objects[id(value)]
 
 
-class DataDependentTraceError(NotImplementedError):
+class DataDependentTraceError(TorchModelRefused):
     """forward() branched on (or computed a Python value from) tensor values during the trace."""
 
     def __init__(self, places):

@@ -4,6 +4,7 @@ refusals that name them. It also finds the custom autograd.Functions on the way 
 (run inside the graph: `_export.autograd_functions`; refused where the user turned that off)."""
 import torch
 
+from .._configuration.refusals import TorchModelRefused
 from .running_statistics import untracked_changes
 from .binding import present_inputs
 from .trace import TracedStep, rng_kept
@@ -53,7 +54,7 @@ def custom_functions(tensors, inputs=()):
 def custom_functions_refused(functions, remedy):
     """The error for a model computed through custom autograd.Functions (`custom_functions`),
     ending with what the caller can do about it."""
-    return NotImplementedError(
+    return TorchModelRefused(
         f"the model's outputs are computed through custom torch.autograd.Functions {functions}: the exported "
         f"graph would differentiate their inlined forward instead of running their backward ({remedy})")
 
@@ -82,7 +83,7 @@ def layerdrop_refused(model):
     if not on or not model.training:
         return None
     where = ", ".join(f"{name or type(model).__name__}.layerdrop={value}" for name, value in on.items())
-    return NotImplementedError(f"the model trains with LayerDrop ({where}), which draws in Python on every call "
+    return TorchModelRefused(f"the model trains with LayerDrop ({where}), which draws in Python on every call "
                                "which layers to skip: a traced graph would skip the layers of one draw on every "
                                "step. Set those layerdrop attributes to 0.0 to train it in ONNX Runtime (the "
                                "config's *layerdrop fields are read only when the model is built)")

@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from .._configuration.refusals import TorchModelRefused
+
 
 RUNNING_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -29,14 +31,14 @@ def untracked_changes(model, changed):
 
 
 def sync_batch_norm_refused(model, remedy):
-    """The NotImplementedError for SyncBatchNorm modules in training mode (their statistics are
+    """The refusal (a NotImplementedError) of SyncBatchNorm modules in training mode (their statistics are
     reduced over the ranks of a process group, which a graph does not do), else None. `remedy`:
     what the caller can do, the end of the message."""
     names = [name for name, module in model.named_modules()
              if isinstance(module, torch.nn.SyncBatchNorm) and module.training]
     if not names:
         return None
-    return NotImplementedError(
+    return TorchModelRefused(
         f"the model has SyncBatchNorm modules {names} in training mode, whose batch statistics are reduced over "
         f"the ranks of a process group; an ONNX Runtime graph computes them on its own batch ({remedy})")
 

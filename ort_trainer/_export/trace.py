@@ -16,6 +16,8 @@ import warnings
 import onnx
 import torch
 
+from .._configuration.ortmodule_settings import FallbackPolicy
+from .._configuration.refusals import Refusal
 from .autograd_functions import AutogradFunctionRefused
 from .running_statistics import running_statistics_kept
 from .binding import BindingError, present_inputs, select_outputs, training_flags_kept
@@ -40,8 +42,10 @@ _EXPORTER_NOTICES = ("You are using the legacy TorchScript-based ONNX export",
 LOGGER = logging.getLogger("ort_trainer.export")
 
 
-class ExportError(RuntimeError):
+class ExportError(Refusal, RuntimeError):
     """The model (or its loss) could not be exported to ONNX."""
+
+    fallback = FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
 
 
 class TracedStep(torch.nn.Module):

@@ -2,11 +2,12 @@
 Runtime cannot differentiate, named with the torch module it came from."""
 import re
 
+from .._configuration.refusals import OnnxModelRefused
 from .._export.checkpointing import SCOPE as CHECKPOINT_SCOPE
 from .._onnx import computed_from, needed_for
 
 
-class MissingGradientError(NotImplementedError):
+class MissingGradientError(OnnxModelRefused):
     """ONNX Runtime has no gradient for an op between the trainable parameters and the loss.
 
     Raised when the training graph is built (the first step at a new shape). A NotImplementedError:

@@ -13,6 +13,7 @@ import onnx
 import torch
 from onnxruntime.capi import _pybind_state as C
 
+from .._configuration.refusals import OnnxModelRefused
 from .missing_gradient import missing_gradient
 from .torch_nodes import finish_torch_node_gradients
 
@@ -103,7 +104,7 @@ def _builder(exported, initializers, trainable, requiring_grad, outputs, *, trai
     except RuntimeError as error:
         duplicate = _DUPLICATE_GRADIENT.search(str(error))
         if duplicate is not None:
-            raise NotImplementedError(
+            raise OnnxModelRefused(
                 f"ONNX Runtime's gradient builder defined the gradient of {duplicate.group(1)!r} twice: a tensor that "
                 "needs no gradient is concatenated (torch.cat) twice, which its optimizer made of equal values (ones "
                 "of one shape, say). ORTTrainer builds such graphs; with ORTModule concatenate it once, or let this "

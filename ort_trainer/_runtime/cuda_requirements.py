@@ -13,6 +13,8 @@ import importlib.util
 import os
 import sys
 
+from .._configuration.ortmodule_settings import FallbackPolicy
+from .._configuration.refusals import Refusal
 from .._install import FROM_CHECKOUT, GPU_INSTALL
 
 _GPU_EXTRA = f"{GPU_INSTALL} {FROM_CHECKOUT}"
@@ -38,8 +40,10 @@ CUDA11_LIBRARIES = (
 NVRTC11 = ("libnvrtc-builtins.so.11.8", "libnvrtc.so.11.2")
 
 
-class CudaUnavailable(RuntimeError):
+class CudaUnavailable(Refusal, RuntimeError):
     """device.id asks for CUDA and something it needs is missing; never a silent CPU fallback."""
+
+    fallback = FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
 
 
 def _nvidia_roots():

@@ -17,11 +17,12 @@ import torch
 from .._compile.cache import GraphCache
 from .._compile.module_cache import ModuleGraphCache
 from .._compile.module_compiler import ModuleGraph
-from .._configuration.ortmodule_settings import FallbackPolicy, settings
+from .._configuration.ortmodule_settings import settings
+from .._configuration.refusals import DeviceRefused, TorchModelRefused
 from .._configuration.runtime_settings import RuntimeSettings
 from .._export.running_statistics import sync_batch_norm_refused, untracked_changes
 from .._export.binding import BindingError, bind_call
-from .._export.guards import DataDependentTraceError, ModuleState
+from .._export.guards import ModuleState
 from .._export.outputs import OutputSchema
 from .._export.probe import custom_functions, custom_functions_refused, layerdrop_refused, probe_call
 from .._graph.autocast import slower_than_fp32, unsupported
@@ -29,6 +30,7 @@ from .._runtime.placement import Placement
 from .._runtime.sessions import Sessions
 from . import _partitioned
 from ._density import DensityReport
+from ._fallback import REFUSED, handle
 from ._distributed_wrappers import DATA_PARALLEL_REFUSED, called_by_data_parallel, is_dtensor, same_entries
 from ._fsdp_root import call_between_hooks, fsdp_state, nested_refusal, sharded_submodules
 from ._graph_function import _GraphFunction
@@ -196,7 +198,8 @@ class ORTModule(torch.nn.Module):
             named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             key = self._signature(binding, values, named)
         except BindingError as error:
-            return self._fall_back(FallbackPolicy.FALLBACK_UNSUPPORTED_DATA, error, args, kwargs)
+            handle(error, self._settings, model)
+            return model(*args, **kwargs)
         graph = self._graphs.get(key)
         if graph is None:
             with _partitioned.deepspeed_hooks_suspended(model) if partitioned else contextlib.nullcontext():
@@ -232,7 +235,8 @@ class ORTModule(torch.nn.Module):
 
     def _compile(self, binding, values, named, needs_grad):
         """The graph of a new signature, or _PYTORCH when it cannot be compiled and the fallback
-        policy allows it. The model's own errors (its forward fails in PyTorch) propagate."""
+        policy allows it (`_fallback`). The model's own errors (its forward fails in PyTorch)
+        propagate, and so do errors that are no refusal (bugs)."""
         model = self._original_module
         disk_key, graph = self._from_disk(binding, values, named, needs_grad)
         if graph is not None:  # a graph on disk (ORTMODULE_CACHE_DIR): no probe, no compile
@@ -240,38 +244,30 @@ class ORTModule(torch.nn.Module):
         before = self._state.read()
         output, changed = probe_call(model, binding, values, grad=needs_grad)
         self._state.forgets(before, self._state.read())
-        kind = FallbackPolicy.FALLBACK_UNSUPPORTED_DATA
-        try:
+        try:  # each refusal says its fallback category (`_fallback`)
             tensors = []
             schema = OutputSchema(output, tensors)
             functions = custom_functions(tensors, values.values())
             del output, tensors  # and the autograd graph of the probe
-            kind = FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
             if (synchronized := sync_batch_norm_refused(model, "it runs in PyTorch under the default fallback policy")):
                 raise synchronized
             changed = untracked_changes(model, changed)  # BatchNorm running statistics: updated after each call
             if changed:
-                raise NotImplementedError(f"the model changes buffers {changed} in its forward, which an ONNX Runtime "
-                                          "graph cannot write back (BatchNorm running statistics excepted)")
+                raise TorchModelRefused(f"the model changes buffers {changed} in its forward, which an ONNX Runtime "
+                                        "graph cannot write back (BatchNorm running statistics excepted)")
             if functions and not self._settings.custom_functions:
                 raise custom_functions_refused(functions, "ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1: they run in "
                                                "PyTorch under the default fallback policy")
             if (layerdrop := layerdrop_refused(model)) is not None:
                 raise layerdrop
-            kind = FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
             sessions = self._sessions_of(values, named)
             compute_dtype = _compute_dtype(sessions.placement.ort_device)
-            kind = FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
             graph = ModuleGraph.compiled(model, binding, values, schema, sessions, self._settings, needs_grad,
                                          compute_dtype=compute_dtype)
             self._disk.store(disk_key, graph, model, self._state)
             return graph
-        except Exception as error:
-            if isinstance(error, DataDependentTraceError):
-                kind = FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
-            if not self._settings.falls_back(kind):
-                raise
-            self._warn(kind, error)
+        except REFUSED as error:  # another error is a bug: it propagates
+            handle(error, self._settings, model)
             return _PYTORCH
 
     def _from_disk(self, binding, values, named, needs_grad):
@@ -289,24 +285,12 @@ class ORTModule(torch.nn.Module):
         """The Sessions of the device the model and inputs are on (one per device)."""
         device = next((t.device for t in (*named.values(), *values.values())), torch.device("cpu"))
         if device.type not in ("cpu", "cuda"):
-            raise NotImplementedError(f"ONNX Runtime does not run on torch device {device}")
+            raise DeviceRefused(f"ONNX Runtime does not run on torch device {device}")
         if device not in self._sessions:
             runtime = RuntimeSettings(device=str(device), threads=torch.get_num_threads(),
                                       log_severity=int(self._settings.ort_severity))
             self._sessions[device] = Sessions(Placement(str(device)), runtime)
         return self._sessions[device]
-
-    def _fall_back(self, kind, error, args, kwargs):
-        """A call the graph cannot take: PyTorch runs it if the policy allows, else the error."""
-        if not self._settings.falls_back(kind):
-            raise error
-        self._warn(kind, error)
-        return self._original_module(*args, **kwargs)
-
-    def _warn(self, kind, error):
-        warnings.warn(f"ORTModule: {type(self._original_module).__name__} runs in PyTorch for this input signature "
-                      f"({kind.name}): {type(error).__name__}: {error}. Set ORTMODULE_FALLBACK_POLICY="
-                      "FALLBACK_DISABLE to raise instead", UserWarning, stacklevel=6)  # the caller of model(...)
 
 
 _WRAPPERS = (ORTModule, torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)  # refused as the model
@@ -396,7 +380,7 @@ def _is_model_method(value, model):
 
 def _compute_dtype(device_type):
     """The mixed-precision compute type of a call on `device_type` under torch.autocast
-    ('float16', 'bfloat16'), or None outside autocast. Raises NotImplementedError where the
+    ('float16', 'bfloat16'), or None outside autocast. Raises DeviceRefused (a NotImplementedError) where the
     device cannot compute in it (the call then runs in PyTorch under the default fallback policy);
     warns where it is slower than fp32."""
     if not torch.is_autocast_enabled(device_type):
@@ -404,7 +388,7 @@ def _compute_dtype(device_type):
     dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
     reason = unsupported(device_type, dtype)
     if reason is not None:
-        raise NotImplementedError(f"torch.autocast({device_type!r}, {dtype}): {reason}")
+        raise DeviceRefused(f"torch.autocast({device_type!r}, {dtype}): {reason}")
     slower = slower_than_fp32(device_type, dtype)
     if slower is not None:
         warnings.warn(f"ORTModule under torch.autocast({device_type!r}, {dtype}): {slower}")
