@@ -5,6 +5,7 @@ from collections.abc import Mapping
 
 from .._checkpoint_files import check_component_state
 from .._configuration.validation import validate
+from ._device_counters import DeviceCounters
 
 
 class LossScaler(abc.ABC):
@@ -17,10 +18,6 @@ class LossScaler(abc.ABC):
         loss_scale: the initial scale, > 0.
     """
 
-    #: Set by a trainer that keeps the scale on the device (``_trainer.device_scaling``): reads
-    #: ``pull`` the device's values first, writes ``push`` theirs back.
-    _mirror = None
-
     def __init__(self, loss_scale):
         self._initial_loss_scale = self._checked_scale(loss_scale)
         self.reset()
@@ -28,31 +25,29 @@ class LossScaler(abc.ABC):
     def _checked_scale(self, value) -> float:
         return validate("loss_scaler", {"loss_scale": value}, f"Invalid {type(self).__name__}")["loss_scale"]
 
-    def _pull(self):
-        if self._mirror is not None:
-            self._mirror.pull()
+    def _sync_from_device(self) -> None:
+        """Before a read: the values a device holds (a scaler that keeps them there overrides it)."""
 
-    def _push(self):
-        if self._mirror is not None:
-            self._mirror.push()
+    def _write_to_device(self) -> None:
+        """After a write: the values into the device that holds them (see ``_sync_from_device``)."""
 
     @property
     def loss_scale(self) -> float:
-        self._pull()
+        self._sync_from_device()
         return self._loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value):
         value = self._checked_scale(value)
-        self._pull()
+        self._sync_from_device()
         self._loss_scale = value
-        self._push()
+        self._write_to_device()
 
     def reset(self) -> None:
         """Back to the initial scale."""
-        self._pull()
+        self._sync_from_device()
         self._reset()
-        self._push()
+        self._write_to_device()
 
     def _reset(self):
         self._loss_scale = self._initial_loss_scale
@@ -74,6 +69,9 @@ class DynamicLossScaler(LossScaler):
         min_loss_scale: lower bound, > 0.
         max_loss_scale: upper bound, >= min_loss_scale.
     """
+
+    _device: DeviceCounters | None = None  # see _keep_on_device
+    _device_version = 0  # the device's update count at the last sync
 
     def __init__(self, automatic_update=True, loss_scale=float(2**16), up_scale_window=2000, min_loss_scale=1.0,
                  max_loss_scale=float(2**24)):
@@ -109,8 +107,27 @@ class DynamicLossScaler(LossScaler):
         super()._reset()
         self._stable_steps = 0
 
+    def _keep_on_device(self, device: DeviceCounters) -> None:
+        """From now on the scale and the stable-step count live in ``device``, where the trainer's
+        updates move them (``_trainer.device_scaling``): this scaler writes its values there now and
+        after every change, and reads them back after an update."""
+        self._device, self._device_version = device, device.version
+        self._write_to_device()
+
+    def _sync_from_device(self) -> None:
+        device = self._device
+        if device is not None and device.version != self._device_version:
+            counters = device.read()
+            self._loss_scale, self._stable_steps = counters.loss_scale, int(counters.stable_steps)
+            self._device_version = device.version
+
+    def _write_to_device(self) -> None:
+        if self._device is not None:
+            self._device.write(self._device.read()._replace(stable_steps=float(self._stable_steps),
+                                                            loss_scale=self._loss_scale))
+
     def update(self, train_step_info) -> float:
-        self._pull()
+        self._sync_from_device()
         if self.automatic_update:
             if train_step_info.all_finite:
                 self._stable_steps += 1
@@ -120,12 +137,12 @@ class DynamicLossScaler(LossScaler):
             else:
                 self._loss_scale = max(self.min_loss_scale, self._loss_scale / 2.0)
                 self._stable_steps = 0
-        self._push()
+        self._write_to_device()
         return self._loss_scale
 
     def state_dict(self) -> dict:
         """Settings, current scale and finite-update count (plain values, for checkpoints)."""
-        self._pull()
+        self._sync_from_device()
         return {"type": type(self).__name__, "automatic_update": self.automatic_update,
                 "initial_loss_scale": self._initial_loss_scale, "loss_scale": self._loss_scale,
                 "up_scale_window": self.up_scale_window, "min_loss_scale": self.min_loss_scale,
@@ -134,6 +151,6 @@ class DynamicLossScaler(LossScaler):
     def load_state_dict(self, state: Mapping) -> None:
         """Restore ``state_dict()`` output; like torch's GradScaler, the checkpoint's settings win."""
         prefix = check_component_state(self, state)
-        self._pull()
+        self._sync_from_device()
         self._configure(prefix, {key: value for key, value in state.items() if key != "type"})
-        self._push()
+        self._write_to_device()
