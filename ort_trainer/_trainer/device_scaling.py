@@ -17,7 +17,7 @@ import numpy as np
 
 from .._optimizers import cuda_steps as _kernels
 from ..amp import DynamicLossScaler
-from ..amp._device_counters import DeviceCounters
+from ..amp._device_counters import Counters, DeviceCounters
 from .train_step_info import TrainStepInfo
 
 _LR_TABLE_BLOCK = 1024  # updates evaluated ahead at a time
@@ -43,7 +43,7 @@ class LrTable:
         """The lr of update t, evaluated already (``covering(t)`` was called)."""
         return self.host[t - 1]
 
-    def covering(self, t):
+    def covering(self, t: int):
         """The device table, holding at least the lr of update t."""
         if len(self.host) < t:
             stop = -(-t // _LR_TABLE_BLOCK) * _LR_TABLE_BLOCK
@@ -66,15 +66,17 @@ class DeviceScaling:
 
     def __init__(self, *, scaler, graph_scale, info, scheduler, optimizer, optim_config, placement, size):
         self._scaler = scaler
+        start = Counters(updates_applied=0.0, stable_steps=0.0, last_finite=1.0, loss_scale=scaler.loss_scale)
         self.counters = DeviceCounters(_kernels.device_counters(scaler.loss_scale, placement.index), graph_scale,
-                                       placement.step)
+                                       placement.step, start=start)
         self._buffers = _kernels.clip_buffers(size, placement.index)
-        self._lr_table = None if scheduler is None else LrTable(scheduler, optim_config, placement.index)
         self._optimizer = optimizer
         optimizer.count_on_device(self.counters.array)
         info._keep_on_device(self.counters)  # its update count wins over the optimizer's
         scaler._keep_on_device(self.counters)
+        self._lr_table = None
         if scheduler is not None:
+            self._lr_table = LrTable(scheduler, optim_config, placement.index)
             scheduler._keep_on_device(self.counters, self._lr_table.lr_of_update)
 
     def update(self, flat, *, lr, max_norm):

@@ -31,14 +31,15 @@ class DeviceCounters:
         graph_scale: the fp32 0-d device array the graph reads the loss scale from.
         stream_order: a context in which copies are ordered with the updates' kernels (the
             trainer's ``Placement.step``).
+        start: the counters to begin with, written to the device (no copy back).
     """
 
-    def __init__(self, array: Any, graph_scale: Any, stream_order: Callable[[], AbstractContextManager]):
+    def __init__(self, array: Any, graph_scale: Any, stream_order: Callable[[], AbstractContextManager], *,
+                 start: Counters):
         self.array, self.graph_scale, self._stream_order = array, graph_scale, stream_order
-        with stream_order():
-            self._host = self._after_update = Counters(*(float(value) for value in array.get()))
-        self._host_version = 0
-        self.version = 0  # updates queued on the device so far
+        self._host = self._after_update = start
+        self._host_version = self.version = 0  # version: the updates queued on the device so far
+        self.write(start)
 
     def updated(self) -> None:
         """An update's kernels were queued: the host copy is out of date until the next ``read``."""

@@ -208,13 +208,13 @@ def test_an_update_reads_nothing_back(monkeypatch):
 
 @pytest.mark.skipif(not EMULATED, reason="the emulation's arrays can be patched")
 def test_one_copy_back_serves_every_host_object(monkeypatch):
-    """The host objects read their device form lazily: nothing during the updates, one copy of the
-    counters for all of them after, and the values of the host rule."""
+    """The host objects read their device form lazily: nothing when it is made nor during the
+    updates, one copy of the counters for all of them after, and the values of the host rule."""
     layout = layout_for("LambOptimizer")
     w = np.random.default_rng(5).standard_normal(layout.size).astype(np.float32)
+    copies, get = [], cupy.ndarray.get
+    monkeypatch.setattr(cupy.ndarray, "get", lambda array: copies.append(array.shape) or get(array))
     device = Device("LambOptimizer", layout, w, with_scheduler=True)
-    copies, get = [], type(device.flat.params).get
-    monkeypatch.setattr(type(device.flat.params), "get", lambda array: copies.append(array.shape) or get(array))
     for _, g in gradients(layout.size, 2.0**10):
         device.update(g, 1.0)
     assert copies == []
