@@ -86,7 +86,7 @@ def device():
     scheduler = optim.LinearWarmupLRScheduler(total_steps=100)
     info._keep_on_device(counters)
     scaler._keep_on_device(counters)
-    scheduler._keep_on_device(counters, lambda t: 0.001 * t)
+    scheduler._decided_on_device(counters, lambda t: 0.001 * t)
     return counters, info, scaler, scheduler
 
 

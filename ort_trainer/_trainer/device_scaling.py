@@ -60,8 +60,8 @@ class DeviceScaling:
     trainer's `placement.step()`.
 
     The trainer's TrainStepInfo, loss scaler and LR scheduler are handed the counters as their
-    device form (their `_keep_on_device`): they read them back after an update and write their
-    values there.
+    device form (`amp._device_counters.KeptOnDevice`): they read them back after an update and
+    write their values there.
     """
 
     def __init__(self, *, scaler, graph_scale, info, scheduler, optimizer, optim_config, placement, size):
@@ -77,7 +77,7 @@ class DeviceScaling:
         self._lr_table = None
         if scheduler is not None:
             self._lr_table = LrTable(scheduler, optim_config, placement.index)
-            scheduler._keep_on_device(self.counters, self._lr_table.lr_of_update)
+            scheduler._decided_on_device(self.counters, self._lr_table.lr_of_update)
 
     def update(self, flat, *, lr, max_norm):
         """One update of `flat` from its gradients: clip, skip or apply, count, move the scale."""

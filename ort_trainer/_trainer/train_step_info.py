@@ -1,7 +1,7 @@
 """TrainStepInfo: the step counters the trainer hands to LR schedulers and loss scalers."""
 import numbers
 
-from ..amp._device_counters import DeviceCounters
+from ..amp._device_counters import Counters, KeptOnDevice
 from ..optim._config import _OptimizerConfig
 
 
@@ -68,7 +68,7 @@ class _Checked:
             info._write_to_device()
 
 
-class TrainStepInfo:
+class TrainStepInfo(KeptOnDevice):
     """Step counters handed to LR schedulers and loss scalers (the original's signature).
 
     `step` counts train_step calls; `optimization_step` counts applied optimizer updates;
@@ -86,8 +86,6 @@ class TrainStepInfo:
     fetches = _Checked(_fetches)
     optimization_step = _Checked(_count, on_device=True)
     step = _Checked(_count)
-    _device: DeviceCounters | None = None  # see _keep_on_device
-    _device_version = 0  # the device's update count at the last sync
 
     def __init__(self, optimizer_config, all_finite=True, fetches=None, optimization_step=0, step=0):
         self.optimizer_config = optimizer_config
@@ -96,24 +94,11 @@ class TrainStepInfo:
         self.optimization_step = optimization_step
         self.step = step
 
-    def _keep_on_device(self, device: DeviceCounters) -> None:
-        """From now on `optimization_step` and `all_finite` live in `device`, where the trainer's
-        updates count them (`_trainer.device_scaling`): written there now and after every
-        assignment, read back after an update."""
-        self._device, self._device_version = device, device.version
-        self._write_to_device()
+    def _from_counters(self, counters: Counters) -> None:
+        self._optimization_step, self._all_finite = int(counters.updates_applied), counters.last_finite == 1.0
 
-    def _sync_from_device(self) -> None:
-        device = self._device
-        if device is not None and device.version != self._device_version:
-            counters = device.read()
-            self._optimization_step, self._all_finite = int(counters.updates_applied), counters.last_finite == 1.0
-            self._device_version = device.version
-
-    def _write_to_device(self) -> None:
-        if self._device is not None:
-            self._device.write(self._device.read()._replace(updates_applied=float(self._optimization_step),
-                                                            last_finite=float(self._all_finite)))
+    def _into_counters(self, counters: Counters) -> Counters:
+        return counters._replace(updates_applied=float(self._optimization_step), last_finite=float(self._all_finite))
 
     def __repr__(self):
         return (f"TrainStepInfo(optimizer_config={self.optimizer_config!r}, all_finite={self.all_finite!r}, "

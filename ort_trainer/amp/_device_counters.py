@@ -4,8 +4,8 @@ Under a DynamicLossScaler on CUDA the trainer decides each update on the device
 (``_trainer.device_scaling``): the kernels count the update, skip it, move the scale, in one float64
 device array (``Counters``' fields, kernels/common.cuh), and the graph reads the scale from an fp32
 0-d array. The host objects whose values these are (``TrainStepInfo``, ``DynamicLossScaler``, the LR
-scheduler) each hold this ``DeviceCounters`` as their device form: they read it back after an update
-(``version`` says when) and write their own values into it.
+scheduler) each hold this ``DeviceCounters`` as their device form (``KeptOnDevice``): they read it
+back after an update (``version`` says when) and write their own values into it.
 """
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -70,3 +70,42 @@ class DeviceCounters:
         with self._stream_order():
             self.array.set(np.array(counters, dtype=np.float64))
             self.graph_scale[...] = np.float32(counters.loss_scale)
+
+
+class KeptOnDevice:
+    """Base of a host object whose values may live in ``DeviceCounters``, its device form: it reads
+    them back itself after an update (``_sync_from_device``, lazily, from its public properties)
+    and writes its own values there (``_write_to_device``); nothing else writes its state."""
+
+    _device: DeviceCounters | None = None
+    _device_version = 0  # the device's version at this object's last sync
+
+    def _keep_on_device(self, device: DeviceCounters) -> None:
+        """From now on this object's values live in ``device``, where the trainer's updates move them
+        (``_trainer.device_scaling``): written there now and after each change, read back after an update."""
+        self._device, self._device_version = device, device.version
+        self._write_to_device()
+
+    def _sync_from_device(self) -> None:
+        """Before a read (or a change): this object's values as the last update left them, when one
+        came since its last sync."""
+        device = self._device
+        if device is not None and device.version != self._device_version:
+            self._device_version = device.version
+            self._from_counters(device.after_update())
+
+    def _write_to_device(self) -> None:
+        """After a change (made after ``_sync_from_device``): this object's values into the device."""
+        if self._device is not None:
+            current = self._device.read()
+            wanted = self._into_counters(current)
+            if wanted != current:
+                self._device.write(wanted)
+
+    def _from_counters(self, counters: Counters) -> None:
+        """Sets this object's values from ``counters``."""
+        raise NotImplementedError
+
+    def _into_counters(self, counters: Counters) -> Counters:
+        """``counters`` with this object's values in (none by default)."""
+        return counters

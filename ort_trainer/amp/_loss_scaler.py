@@ -5,10 +5,10 @@ from collections.abc import Mapping
 
 from .._checkpoint_files import check_component_state
 from .._configuration.validation import validate
-from ._device_counters import DeviceCounters
+from ._device_counters import Counters, KeptOnDevice
 
 
-class LossScaler(abc.ABC):
+class LossScaler(KeptOnDevice, abc.ABC):
     """Base of the loss scalers.
 
     The trainer feeds ``loss_scale`` to the graph and, once per optimizer update (at gradient-accumulation
@@ -24,12 +24,6 @@ class LossScaler(abc.ABC):
 
     def _checked_scale(self, value) -> float:
         return validate("loss_scaler", {"loss_scale": value}, f"Invalid {type(self).__name__}")["loss_scale"]
-
-    def _sync_from_device(self) -> None:
-        """Before a read: the values a device holds (a scaler that keeps them there overrides it)."""
-
-    def _write_to_device(self) -> None:
-        """After a write: the values into the device that holds them (see ``_sync_from_device``)."""
 
     @property
     def loss_scale(self) -> float:
@@ -70,9 +64,6 @@ class DynamicLossScaler(LossScaler):
         max_loss_scale: upper bound, >= min_loss_scale.
     """
 
-    _device: DeviceCounters | None = None  # see _keep_on_device
-    _device_version = 0  # the device's update count at the last sync
-
     def __init__(self, automatic_update=True, loss_scale=float(2**16), up_scale_window=2000, min_loss_scale=1.0,
                  max_loss_scale=float(2**24)):
         # validates loss_scale together with its bounds, so LossScaler.__init__ is not needed
@@ -107,24 +98,11 @@ class DynamicLossScaler(LossScaler):
         super()._reset()
         self._stable_steps = 0
 
-    def _keep_on_device(self, device: DeviceCounters) -> None:
-        """From now on the scale and the stable-step count live in ``device``, where the trainer's
-        updates move them (``_trainer.device_scaling``): this scaler writes its values there now and
-        after every change, and reads them back after an update."""
-        self._device, self._device_version = device, device.version
-        self._write_to_device()
+    def _from_counters(self, counters: Counters) -> None:
+        self._loss_scale, self._stable_steps = counters.loss_scale, int(counters.stable_steps)
 
-    def _sync_from_device(self) -> None:
-        device = self._device
-        if device is not None and device.version != self._device_version:
-            counters = device.read()
-            self._loss_scale, self._stable_steps = counters.loss_scale, int(counters.stable_steps)
-            self._device_version = device.version
-
-    def _write_to_device(self) -> None:
-        if self._device is not None:
-            self._device.write(self._device.read()._replace(stable_steps=float(self._stable_steps),
-                                                            loss_scale=self._loss_scale))
+    def _into_counters(self, counters: Counters) -> Counters:
+        return counters._replace(stable_steps=float(self._stable_steps), loss_scale=self._loss_scale)
 
     def update(self, train_step_info) -> float:
         self._sync_from_device()

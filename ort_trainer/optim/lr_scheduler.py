@@ -15,19 +15,16 @@ from collections.abc import Callable, Mapping
 
 from .._checkpoint_files import check_component_state
 from .._configuration.validation import validate
-from ..amp._device_counters import DeviceCounters
+from ..amp._device_counters import Counters, DeviceCounters, KeptOnDevice
 
 
-class _LRScheduler:
+class _LRScheduler(KeptOnDevice):
     """Validation, warmup, stepping and state shared by the schedulers; subclasses define ``_decay``.
 
     Every scheduler takes ``total_steps`` (the number of optimizer updates in the schedule, an int
     > 0) and ``warmup`` (the fraction of ``total_steps`` spent warming up, in [0, 1)). Differs from
     the original: the k-th update uses ``t = k`` (the original's first update had lr 0).
     """
-
-    _device: DeviceCounters | None = None  # see _keep_on_device
-    _device_version = 0  # the device's update count at the last sync
 
     def __init__(self, **config):
         self._configure(f"Invalid {type(self).__name__}", config)
@@ -67,20 +64,17 @@ class _LRScheduler:
         self._last_lr = self.get_lr(train_step_info)
         return self._last_lr
 
-    def _keep_on_device(self, device: DeviceCounters, lr_of_update: Callable[[int], float]) -> None:
+    def _decided_on_device(self, device: DeviceCounters, lr_of_update: Callable[[int], float]) -> None:
         """From now on the updates are decided on the device, each with ``lr_of_update(t)`` for
         t = 1, 2, ... (the schedule evaluated ahead, ``_trainer.device_scaling``): the last lr is
         read back from ``device``'s counters after an update."""
-        self._device, self._device_version, self._lr_of_update = device, device.version, lr_of_update
+        self._lr_of_update = lr_of_update
+        self._keep_on_device(device)
 
-    def _sync_from_device(self) -> None:
-        """The lr the last update decided on the device was given, applied or skipped."""
-        device = self._device
-        if device is not None and device.version != self._device_version:
-            counters = device.after_update()
-            applied = int(counters.updates_applied)
-            self._last_lr = [self._lr_of_update(applied if counters.last_finite == 1.0 else applied + 1)]
-            self._device_version = device.version
+    def _from_counters(self, counters: Counters) -> None:
+        """The lr the last update was given, applied or skipped (t = applied + 1 for a skipped one)."""
+        applied = int(counters.updates_applied)
+        self._last_lr = [self._lr_of_update(applied if counters.last_finite == 1.0 else applied + 1)]
 
     def get_last_lr(self) -> list[float]:
         """``[lr]`` of the last update."""
