@@ -70,9 +70,12 @@ def reference_step(name, layout, params, grads, state, step, lr, grad_divisor):
     """The reference of ``name`` applied group by group to flat arrays."""
     for group in layout.groups:
         part = slice(group.start, group.stop)
-        extra = {"seg_offsets": layout.local_offsets(group)} if name == "LambOptimizer" else {}
-        REFERENCES[name](params[part], grads[part], *(array[part] for array in state), step, lr,
-                         group.hyper, grad_divisor, **extra)
+        arrays = (params[part], grads[part], *(array[part] for array in state))
+        if name == "LambOptimizer":
+            _optim_reference.lamb_reference(*arrays, step=step, lr=lr, hyper=group.hyper, grad_divisor=grad_divisor,
+                                            seg_offsets=layout.local_offsets(group))
+        else:
+            REFERENCES[name](*arrays, step=step, lr=lr, hyper=group.hyper, grad_divisor=grad_divisor)
 
 
 def poison_scratch(optimizer):
