@@ -70,9 +70,12 @@ def reference_step(name, layout, params, grads, state, step, lr, grad_divisor):
     """The reference of ``name`` applied group by group to flat arrays."""
     for group in layout.groups:
         part = slice(group.start, group.stop)
-        extra = {"seg_offsets": layout.local_offsets(group)} if name == "LambOptimizer" else {}
-        REFERENCES[name](params[part], grads[part], *(array[part] for array in state), step, lr,
-                         group.hyper, grad_divisor, **extra)
+        arrays = (params[part], grads[part], *(array[part] for array in state))
+        if name == "LambOptimizer":
+            _optim_reference.lamb_reference(*arrays, step=step, lr=lr, hyper=group.hyper, grad_divisor=grad_divisor,
+                                            seg_offsets=layout.local_offsets(group))
+        else:
+            REFERENCES[name](*arrays, step=step, lr=lr, hyper=group.hyper, grad_divisor=grad_divisor)
 
 
 def poison_scratch(optimizer):
@@ -374,8 +377,7 @@ def test_zero_hook_completes_lamb_sums(small_blocks):
         seen.append(params_sumsq.copy())
         params_sumsq *= 2
 
-    hooked, plain = (opt.make_optimizer("LambOptimizer", layout) for _ in range(2))
-    hooked.segment_sums = double_params_sums
+    hooked, plain = opt.Lamb(layout, segment_sums=double_params_sums), opt.make_optimizer("LambOptimizer", layout)
     hooked_params, plain_params = params.copy(), params.copy()
     hooked.step(hooked_params, grads, 1e-3)
     plain.step(plain_params, grads, 1e-3)
@@ -388,6 +390,31 @@ def test_zero_hook_completes_lamb_sums(small_blocks):
         np.testing.assert_allclose(params[part] - hooked_params[part],
                                    np.sqrt(2) * (params[part] - plain_params[part]),
                                    rtol=1e-3, atol=1e-7)
+
+
+def test_zero_hook_is_refused_on_cuda():
+    """The CUDA Lamb step takes whole tensors: the hook is refused, by the optimizer and by the step."""
+    layout = make_layout("LambOptimizer", [[4]])
+    with pytest.raises(ValueError, match=re.escape(
+            "Lamb: segment_sums (ZeRO's per-tensor sums over the shards) runs on the CPU only, got device='cuda'")):
+        opt.Lamb(layout, "cuda", segment_sums=lambda params_sumsq, direction_sumsq: None)
+
+
+@pytest.mark.parametrize("family", ["sgd", "adam", "lamb"])
+def test_cpu_steps_refuse_device_counters(family):
+    """The steps of both devices take counters and lr_table (one contract); the CPU ones count on the host."""
+    layout = make_layout({"sgd": "SGDOptimizer", "adam": "AdamOptimizer", "lamb": "LambOptimizer"}[family], [[4]])
+    table = _optim_cpu.layout_table(layout, family)
+    params, *rest = (np.ones(4, np.float32) for _ in range(4 if family != "sgd" else 3))
+    scalars = dict(first_step=True) if family == "sgd" else dict(step=1)
+    step = getattr(_optim_cpu, f"{family}_step")
+    with pytest.raises(ValueError, match=re.escape(
+            f"{family}_step: counters and lr_table are the device arrays of loss scaling on CUDA; the CPU steps count "
+            "updates on the host and take None, got counters=numpy.ndarray, lr_table=numpy.ndarray")):
+        step(table, params, *rest, lr=0.1, **scalars, counters=np.zeros(4), lr_table=np.ones(1))
+    with pytest.raises(ValueError, match=re.escape("got lr_table=numpy.ndarray")):
+        step(table, params, *rest, lr=0.1, **scalars, lr_table=np.ones(1))
+    assert np.all(params == 1)
 
 
 def test_state_names():
@@ -600,13 +627,14 @@ def test_cupy_backend_calls_kernels(monkeypatch):
         optimizer = opt.make_optimizer(name, FlatLayout.from_sizes([[4]], [hyper]), device="cuda")
         optimizer.step(params, grads, 0.5, grad_divisor=2.0)
         optimizer.step(params, grads, 0.5)
+    host = dict(counters=None, lr_table=None)  # not counting on the device
     assert calls == [
-        ("sgd", ("table", "sgd"), 3, dict(lr=0.5, grad_divisor=2.0, first_step=True)),
-        ("sgd", ("table", "sgd"), 3, dict(lr=0.5, grad_divisor=1.0, first_step=False)),
-        ("adam", ("table", "adam"), 4, dict(step=1, lr=0.5, grad_divisor=2.0)),
-        ("adam", ("table", "adam"), 4, dict(step=2, lr=0.5, grad_divisor=1.0)),
-        ("lamb", ("table", "lamb"), 4, dict(step=1, lr=0.5, grad_divisor=2.0)),
-        ("lamb", ("table", "lamb"), 4, dict(step=2, lr=0.5, grad_divisor=1.0)),
+        ("sgd", ("table", "sgd"), 3, dict(lr=0.5, grad_divisor=2.0, first_step=True, **host)),
+        ("sgd", ("table", "sgd"), 3, dict(lr=0.5, grad_divisor=1.0, first_step=False, **host)),
+        ("adam", ("table", "adam"), 4, dict(step=1, lr=0.5, grad_divisor=2.0, **host)),
+        ("adam", ("table", "adam"), 4, dict(step=2, lr=0.5, grad_divisor=1.0, **host)),
+        ("lamb", ("table", "lamb"), 4, dict(step=1, lr=0.5, grad_divisor=2.0, segment_sums=None, **host)),
+        ("lamb", ("table", "lamb"), 4, dict(step=2, lr=0.5, grad_divisor=1.0, segment_sums=None, **host)),
     ]
 
 

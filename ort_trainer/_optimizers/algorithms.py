@@ -10,15 +10,22 @@ NumPy buffers) or ``_optimizers.cuda_steps`` ('cuda', CuPy buffers). Both follow
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from . import cpu, cuda_steps
 from .flat import FlatLayout
 
+#: A flat buffer: a NumPy array on the CPU, a CuPy array on CUDA (CuPy is optional: no type to name).
+Array = Any
+#: ZeRO's hook of Lamb's CPU step (``cpu.lamb_step``'s ``segment_sums``).
+SegmentSums = Callable[[np.ndarray, np.ndarray], None]
 
-def implementation_of(device: str, where: str):
+
+def implementation_of(device: str, where: str) -> tuple[ModuleType, ModuleType]:
     """(module of functional steps, array module of its buffers) for ``device``."""
     if device == "cpu":
         return cpu, np
@@ -27,7 +34,8 @@ def implementation_of(device: str, where: str):
     raise ValueError(f"{where}: device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, device: str = "cpu", buffers=None):
+def clip_divisor(grads: Array, max_norm: float, loss_scale: float = 1.0, device: str = "cpu",
+                 buffers: cuda_steps.ClipBuffers | None = None) -> tuple[Any, Any]:
     """(S, N): the divisor that unscales and clips the gradients at once, and their global norm.
 
     ``_optimizers.reference.clip_divisor_from_norm`` on N = ||grads||_2. Python floats on the CPU;
@@ -35,9 +43,9 @@ def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, device: str = 
     into ``buffers`` (``_optimizers.cuda_steps.clip_buffers``) when given: the next call overwrites them.
     """
     implementation = implementation_of(device, "clip_divisor")[0]
-    if device == "cpu":
+    if device == "cpu" or buffers is None:
         return implementation.clip_divisor(grads, max_norm, loss_scale)
-    return implementation.clip_divisor(grads, max_norm, loss_scale, **(buffers or {}))
+    return implementation.clip_divisor(grads, max_norm, loss_scale, out=buffers.out, partials=buffers.partials)
 
 
 class FlatOptimizer:
@@ -55,7 +63,7 @@ class FlatOptimizer:
     state_names: tuple[str, ...]
     hyper_names: frozenset[str]
 
-    def __init__(self, layout: FlatLayout, device: str = "cpu"):
+    def __init__(self, layout: FlatLayout, device: str = "cpu") -> None:
         implementation, xp = implementation_of(device, type(self).__name__)
         for index, group in enumerate(layout.groups):
             missing = sorted(self.hyper_names - group.hyper.keys())
@@ -76,7 +84,7 @@ class FlatOptimizer:
         self.step_count = 0
         self._table = implementation.layout_table(layout, self.family)
 
-    def count_on_device(self, counters) -> None:
+    def count_on_device(self, counters: Array) -> None:
         """Loss scaling on CUDA: from now on the updates are counted in ``counters``
         (``cuda_steps.device_counters``), where the kernels read t and the loss scaler's update counts
         the applied ones; reading ``step_count`` is then a host sync."""
@@ -102,7 +110,8 @@ class FlatOptimizer:
     def _check_group(self, index: int, hyper: Mapping) -> None:
         """Rejects hyperparameter values the algorithm cannot run (names are checked already)."""
 
-    def step(self, params, grads, lr: float, grad_divisor=1.0, lr_table=None) -> None:
+    def step(self, params: Array, grads: Array, lr: float, grad_divisor: float | Array = 1.0,
+             lr_table: Array | None = None) -> None:
         """In place: g = grads / grad_divisor, then the update. grads are not modified.
 
         ``grad_divisor`` is a number or, on CUDA, ``clip_divisor``'s S (read on the device; NaN
@@ -116,12 +125,14 @@ class FlatOptimizer:
             if lr_table is not None:
                 raise ValueError(f"{type(self).__name__}.step: lr_table is indexed by the device update count: "
                                  "call count_on_device first")
-            self._step(params, grads, float(lr), grad_divisor, {})
+            self._step(params, grads, lr=float(lr), grad_divisor=grad_divisor, lr_table=None)
             self._step_count += 1
         else:
-            self._step(params, grads, float(lr), grad_divisor, {"counters": self._counters, "lr_table": lr_table})
+            self._step(params, grads, lr=float(lr), grad_divisor=grad_divisor, lr_table=lr_table)
 
-    def _step(self, params, grads, lr, grad_divisor, scaling):
+    def _step(self, params: Array, grads: Array, *, lr: float, grad_divisor: float | Array,
+              lr_table: Array | None) -> None:
+        """The implementation's step of this algorithm (the device counters, if any, are ``self._counters``)."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -178,9 +189,10 @@ class SGD(FlatOptimizer):
     state_names = ("momentum",)
     hyper_names = frozenset({"momentum", "nesterov", "lambda_coef", "dampening"})
 
-    def _step(self, params, grads, lr, grad_divisor, scaling):
+    def _step(self, params, grads, *, lr, grad_divisor, lr_table):
         self.implementation.sgd_step(self._table, params, grads, self.state["momentum"], lr=lr,
-                                      grad_divisor=grad_divisor, first_step=self._step_count == 0, **scaling)
+                                      grad_divisor=grad_divisor, first_step=self._step_count == 0,
+                                      counters=self._counters, lr_table=lr_table)
 
 
 class Adam(FlatOptimizer):
@@ -198,14 +210,19 @@ class Adam(FlatOptimizer):
                 f"{self.config_name}: param group {index}: weight_decay_mode must be 0 or 1, "
                 f"got {hyper['weight_decay_mode']!r}")
 
-    def _step(self, params, grads, lr, grad_divisor, scaling):
+    def _step(self, params, grads, *, lr, grad_divisor, lr_table):
         self.implementation.adam_step(self._table, params, grads, self.state["exp_avg"],
                                        self.state["exp_avg_sq"], step=self._step_count + 1, lr=lr,
-                                       grad_divisor=grad_divisor, **scaling)
+                                       grad_divisor=grad_divisor, counters=self._counters, lr_table=lr_table)
 
 
 class Lamb(FlatOptimizer):
-    """The original LambOptimizer (see ``_optimizers.reference.lamb_reference``)."""
+    """The original LambOptimizer (see ``_optimizers.reference.lamb_reference``).
+
+    Args (besides ``FlatOptimizer``'s):
+        segment_sums: ZeRO's hook (CPU only; ``_optimizers.cpu.lamb_step``): completes this
+            shard's per-tensor sums of squares into the whole tensors' before the trust ratios.
+    """
 
     config_name = "LambOptimizer"
     family = "lamb"
@@ -213,14 +230,18 @@ class Lamb(FlatOptimizer):
     hyper_names = frozenset({"alpha", "beta", "lambda_coef", "epsilon", "ratio_min", "ratio_max",
                              "do_bias_correction"})
 
-    # ZeRO (CPU only): ``_optimizers.cpu.lamb_step``'s segment_sums hook, set by the sharded optimizer.
-    segment_sums = None
+    def __init__(self, layout: FlatLayout, device: str = "cpu", *, segment_sums: SegmentSums | None = None) -> None:
+        if segment_sums is not None and device == "cuda":
+            raise ValueError(f"Lamb: segment_sums (ZeRO's per-tensor sums over the shards) runs on the CPU only, "
+                             f"got device={device!r}")
+        super().__init__(layout, device)
+        self._segment_sums = segment_sums
 
-    def _step(self, params, grads, lr, grad_divisor, scaling):
-        hook = {} if self.segment_sums is None else {"segment_sums": self.segment_sums}
+    def _step(self, params, grads, *, lr, grad_divisor, lr_table):
         self.implementation.lamb_step(self._table, params, grads, self.state["exp_avg"],
                                        self.state["exp_avg_sq"], step=self._step_count + 1, lr=lr,
-                                       grad_divisor=grad_divisor, **hook, **scaling)
+                                       grad_divisor=grad_divisor, segment_sums=self._segment_sums,
+                                       counters=self._counters, lr_table=lr_table)
 
 
 _ALGORITHMS = {cls.config_name: cls for cls in (SGD, Adam, Lamb)}

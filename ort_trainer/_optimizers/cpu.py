@@ -11,6 +11,7 @@ block-sized scratch kept in the ``LayoutTable``; ``grads`` is never written.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,17 +119,29 @@ def _views_by_block(table, arrays, grad_divisor, whole_group):
                    *(tensor[start:stop] for tensor in state))
 
 
+def _counted_on_the_host(where: str, counters: None, lr_table: None) -> None:
+    """Refuses CUDA loss scaling's device counters: the steps take them on both devices (one
+    contract), the CPU ones count their updates on the host."""
+    given = [f"{name}={type(value).__module__}.{type(value).__name__}"
+             for name, value in (("counters", counters), ("lr_table", lr_table)) if value is not None]
+    if given:
+        raise ValueError(f"{where}: counters and lr_table are the device arrays of loss scaling on CUDA; the CPU "
+                         f"steps count updates on the host and take None, got {', '.join(given)}")
+
+
 # ----------------------------------------------------------------------------------------------
 # SGD
 # ----------------------------------------------------------------------------------------------
 
 
-def sgd_step(table: LayoutTable, params, grads, momentum, *, lr: float, grad_divisor=1.0,
-             first_step: bool) -> None:
+def sgd_step(table: LayoutTable, params: np.ndarray, grads: np.ndarray, momentum: np.ndarray, *, lr: float,
+             grad_divisor: float = 1.0, first_step: bool, counters: None = None, lr_table: None = None) -> None:
     """One SGD step in place (``sgd_reference``): torch's fused SGD kernel.
 
     ``momentum`` is neither read on the first step nor written by groups whose momentum is 0.
+    ``counters`` and ``lr_table`` are CUDA's (``cuda_steps.sgd_step``): refused here.
     """
+    _counted_on_the_host("sgd_step", counters, lr_table)
     for hyper, w, g, buf in _views_by_block(table, (params, grads, momentum), float(grad_divisor),
                                             whole_group=lambda hyper: True):
         coefficient = hyper["momentum"]
@@ -150,10 +163,13 @@ def _adam_is_fused(hyper) -> bool:
     return hyper["weight_decay_mode"] == 0 and bool(hyper["do_bias_correction"])
 
 
-def adam_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float,
-              grad_divisor=1.0) -> None:
+def adam_step(table: LayoutTable, params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray,
+              exp_avg_sq: np.ndarray, *, step: int, lr: float, grad_divisor: float = 1.0, counters: None = None,
+              lr_table: None = None) -> None:
     """One Adam step in place (``adam_reference``), t = ``step``: torch's fused AdamW kernel
-    where its math is the original's, in-place torch ops for the other groups."""
+    where its math is the original's, in-place torch ops for the other groups (``counters``,
+    ``lr_table``: refused, as in ``sgd_step``)."""
+    _counted_on_the_host("adam_step", counters, lr_table)
     table.step_tensor.fill_(step)
     for hyper, w, g, m, v in _views_by_block(table, (params, grads, exp_avg, exp_avg_sq),
                                              float(grad_divisor), whole_group=_adam_is_fused):
@@ -189,8 +205,10 @@ def adam_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
 # ----------------------------------------------------------------------------------------------
 
 
-def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float,
-              grad_divisor=1.0, segment_sums=None) -> None:
+def lamb_step(table: LayoutTable, params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray,
+              exp_avg_sq: np.ndarray, *, step: int, lr: float, grad_divisor: float = 1.0,
+              segment_sums: Callable[[np.ndarray, np.ndarray], None] | None = None, counters: None = None,
+              lr_table: None = None) -> None:
     """One Lamb step in place (``lamb_reference``), t = ``step``, in two passes over each group's
     blocks.
 
@@ -211,7 +229,9 @@ def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
         segment_sums: ZeRO's hook, ``segment_sums(params_sumsq, direction_sumsq)``: completes, in
             place, the per-segment float64 sums of squares of this shard into those of the whole
             tensors (the trust ratio is per tensor).
+        counters, lr_table: refused, as in ``sgd_step``.
     """
+    _counted_on_the_host("lamb_step", counters, lr_table)
     flat = [torch.from_numpy(array) for array in (params, grads, exp_avg, exp_avg_sq)]
     grad_divisor = float(grad_divisor)
     table.step_tensor.fill_(step)

@@ -16,15 +16,21 @@ and every sum of squares are computed in double, in a fixed order (deterministic
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from ..amp._device_counters import Counters
 from .cuda_launch import (KERNELS, NULL, check_float32, describe, device_scalar, grid_stride_blocks, kernel_function,
                           require_cupy, vector_blocks)
 from .cuda_tables import BLOCK, GROUP_FIELDS, MAX_PARTIALS, chunk_table, group_table
 
 #: The device counters of loss-scaled training (common.cuh's ORT_UPDATES_APPLIED ...): float64.
-COUNTERS = ("updates_applied", "stable_steps", "last_finite", "loss_scale")
+COUNTERS = Counters._fields
+
+#: A CuPy array (CuPy is optional: no type to name).
+DeviceArray = Any
 
 # ----------------------------------------------------------------------------------------------
 # Layout tables
@@ -113,8 +119,9 @@ def _scaling_pointers(cp, where, table, counters, lr_table):
             _float64_pointer(cp, where, "lr_table", lr_table, table.device_id, 1))
 
 
-def sgd_step(table: LayoutTable, params, grads, momentum, *, lr: float, grad_divisor=1.0,
-             first_step: bool, counters=None, lr_table=None) -> None:
+def sgd_step(table: LayoutTable, params: DeviceArray, grads: DeviceArray, momentum: DeviceArray, *, lr: float,
+             grad_divisor: float | DeviceArray = 1.0, first_step: bool, counters: DeviceArray | None = None,
+             lr_table: DeviceArray | None = None) -> None:
     """One SGD step in place (torch.optim.SGD semantics, see kernels/sgd.cu).
 
     Args:
@@ -140,8 +147,9 @@ def sgd_step(table: LayoutTable, params, grads, momentum, *, lr: float, grad_div
                 lr_table_ptr))
 
 
-def adam_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float,
-              grad_divisor=1.0, counters=None, lr_table=None) -> None:
+def adam_step(table: LayoutTable, params: DeviceArray, grads: DeviceArray, exp_avg: DeviceArray,
+              exp_avg_sq: DeviceArray, *, step: int, lr: float, grad_divisor: float | DeviceArray = 1.0,
+              counters: DeviceArray | None = None, lr_table: DeviceArray | None = None) -> None:
     """One Adam step in place (the original AdamOptimizer, see kernels/adam.cu).
 
     Args:
@@ -166,8 +174,10 @@ def adam_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
                 counters_ptr, lr_table_ptr))
 
 
-def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float,
-              grad_divisor=1.0, counters=None, lr_table=None) -> None:
+def lamb_step(table: LayoutTable, params: DeviceArray, grads: DeviceArray, exp_avg: DeviceArray,
+              exp_avg_sq: DeviceArray, *, step: int, lr: float, grad_divisor: float | DeviceArray = 1.0,
+              segment_sums: None = None, counters: DeviceArray | None = None,
+              lr_table: DeviceArray | None = None) -> None:
     """One Lamb step in place (the original LambOptimizer, see kernels/lamb.cu): three launches
     (direction + per-chunk sums of squares, per-tensor trust ratio, update).
 
@@ -177,10 +187,14 @@ def lamb_step(table: LayoutTable, params, grads, exp_avg, exp_avg_sq, *, step: i
         step: t, the 1-based index of this update.
         lr: the learning rate.
         grad_divisor: S in g = grads / S, a number or a one-element device array (NaN: skip).
+        segment_sums: the CPU step's ZeRO hook (``cpu.lamb_step``): refused, the tensors are whole here.
         counters, lr_table: as in ``adam_step``.
     """
     cp = require_cupy()
     where = "lamb_step"
+    if segment_sums is not None:
+        raise ValueError(f"{where}: segment_sums (ZeRO's per-tensor sums over the shards) runs on the CPU only, "
+                         f"got {segment_sums!r}")
     divisor_ptr, divisor_value = _checked_moment_step(cp, where, table, step, grad_divisor, params=params,
                                                       grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     counters_ptr, lr_table_ptr = _scaling_pointers(cp, where, table, counters, lr_table)
@@ -211,13 +225,21 @@ def _partial_count(n: int) -> int:
     return 0 if n == 0 else min(MAX_PARTIALS, vector_blocks(n))
 
 
-def clip_buffers(n: int, device_id: int) -> dict:
-    """{'out', 'partials'}: the device scratch of ``clip_divisor`` over n gradients, made once by a
-    caller that clips every update (no allocation per update)."""
+@dataclass(frozen=True)
+class ClipBuffers:
+    """The device scratch of ``clip_divisor`` (its ``out`` and ``partials``)."""
+
+    out: DeviceArray
+    partials: DeviceArray
+
+
+def clip_buffers(n: int, device_id: int) -> ClipBuffers:
+    """The device scratch of ``clip_divisor`` over n gradients, made once by a caller that clips
+    every update (no allocation per update)."""
     cp = require_cupy()
     with cp.cuda.Device(device_id):
-        return {"out": cp.empty(3, dtype=np.float64),
-                "partials": cp.empty(max(_partial_count(n), 1), dtype=np.float64)}
+        return ClipBuffers(out=cp.empty(3, dtype=np.float64),
+                           partials=cp.empty(max(_partial_count(n), 1), dtype=np.float64))
 
 
 def _reduce_grads(where, grads, max_norm: float, loss_scale: float, out, partials=None, counters=None):
@@ -297,7 +319,7 @@ def device_counters(loss_scale: float, device_id: int):
     no update applied, none stable, the last one finite, ``loss_scale``."""
     cp = require_cupy()
     with cp.cuda.Device(device_id):
-        return cp.asarray(np.array([0.0, 0.0, 1.0, loss_scale], dtype=np.float64))
+        return cp.asarray(np.array(Counters(0.0, 0.0, 1.0, loss_scale), dtype=np.float64))
 
 
 def loss_scaler_update(divisor, counters, graph_scale, *, up_scale_window: int, min_loss_scale: float,

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 
 
-def sgd_reference(params, grads, momentum_buf, step: int, lr: float, hyper: Mapping,
-                  grad_divisor: float = 1.0) -> None:
+def sgd_reference(params: np.ndarray, grads: np.ndarray, momentum_buf: np.ndarray, *, step: int, lr: float,
+                  hyper: Mapping, grad_divisor: float = 1.0) -> None:
     """torch.optim.SGD's update; ``step`` is the 1-based update index (the buffer starts at g)."""
     g = grads / grad_divisor
     if hyper["lambda_coef"]:
@@ -30,8 +30,8 @@ def sgd_reference(params, grads, momentum_buf, step: int, lr: float, hyper: Mapp
     params -= lr * g
 
 
-def adam_reference(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, hyper: Mapping,
-                   grad_divisor: float = 1.0) -> None:
+def adam_reference(params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, *,
+                   step: int, lr: float, hyper: Mapping, grad_divisor: float = 1.0) -> None:
     """The original AdamOptimizer; ``step`` is t, starting at 1.
 
     weight_decay_mode 0 ("PyTorch AdamW"): torch.optim.Adam for lambda 0, torch.optim.AdamW with
@@ -55,8 +55,9 @@ def adam_reference(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, hyp
         params -= lr * decay * params
 
 
-def lamb_reference(params, grads, exp_avg, exp_avg_sq, step: int, lr: float, hyper: Mapping,
-                   grad_divisor: float = 1.0, *, seg_offsets) -> None:
+def lamb_reference(params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, *,
+                   step: int, lr: float, hyper: Mapping, grad_divisor: float = 1.0,
+                   seg_offsets: np.ndarray) -> None:
     """The original LambOptimizer; ``step`` is t, starting at 1.
 
     ``seg_offsets`` are the group's tensor boundaries relative to the group's start

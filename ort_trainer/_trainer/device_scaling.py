@@ -9,13 +9,15 @@ steps, last finite, scale) live in one float64 device array that the kernels rea
 each possible update is evaluated ahead on the host into a device table indexed by t.
 
 The host objects users read (``TrainStepInfo.optimization_step`` / ``all_finite``, the
-``DynamicLossScaler``'s scale, the scheduler's last lr) are mirrored lazily: the first read
-after an update copies the counters back (one sync), a write is copied to the device.
+``DynamicLossScaler``'s scale, the scheduler's last lr) each keep the counters
+(``amp._device_counters.DeviceCounters``) as their device form: the first read after an update
+copies them back (one sync), a write is copied to the device.
 """
 import numpy as np
 
 from .._optimizers import cuda_steps as _kernels
 from ..amp import DynamicLossScaler
+from ..amp._device_counters import Counters, DeviceCounters
 from .train_step_info import TrainStepInfo
 
 _LR_TABLE_BLOCK = 1024  # updates evaluated ahead at a time
@@ -34,10 +36,14 @@ class LrTable:
 
     def __init__(self, scheduler, optim_config, device_id):
         self._scheduler, self._optim_config, self._device_id = scheduler, optim_config, device_id
-        self.host = []
+        self.host: list[float] = []
         self.device = None
 
-    def covering(self, t):
+    def lr_of_update(self, t: int) -> float:
+        """The lr of update t, evaluated already (``covering(t)`` was called)."""
+        return self.host[t - 1]
+
+    def covering(self, t: int):
         """The device table, holding at least the lr of update t."""
         if len(self.host) < t:
             stop = -(-t // _LR_TABLE_BLOCK) * _LR_TABLE_BLOCK
@@ -50,60 +56,39 @@ class LrTable:
 
 
 class DeviceScaling:
-    """The device state of loss-scaled updates and the host mirror of it (see the module docstring).
-    `update` runs inside the trainer's `placement.step()`; `pull` and `push` enter it themselves.
+    """The device state of loss-scaled updates (see the module docstring). `update` runs inside the
+    trainer's `placement.step()`.
 
-    Attached to the trainer's TrainStepInfo, loss scaler and LR scheduler (their `_mirror`), which
-    call `pull` before a read of a mirrored value and `push` after a write.
+    The trainer's TrainStepInfo, loss scaler and LR scheduler are handed the counters as their
+    device form (`amp._device_counters.KeptOnDevice`): they read them back after an update and
+    write their values there.
     """
 
     def __init__(self, *, scaler, graph_scale, info, scheduler, optimizer, optim_config, placement, size):
-        self._scaler, self._graph_scale, self._info, self._scheduler = scaler, graph_scale, info, scheduler
-        self._placement = placement
-        self.counters = _kernels.device_counters(scaler.loss_scale, placement.index)
+        self._scaler = scaler
+        start = Counters(updates_applied=0.0, stable_steps=0.0, last_finite=1.0, loss_scale=scaler.loss_scale)
+        self.counters = DeviceCounters(_kernels.device_counters(scaler.loss_scale, placement.index), graph_scale,
+                                       placement.step, start=start)
         self._buffers = _kernels.clip_buffers(size, placement.index)
-        self._lr_table = None if scheduler is None else LrTable(scheduler, optim_config, placement.index)
-        self._stale = False
         self._optimizer = optimizer
-        optimizer.count_on_device(self.counters)
-        self.push()  # nothing is stale yet; sets _applied_at_most
-        for mirrored in (info, scaler, scheduler):
-            if mirrored is not None:
-                mirrored._mirror = self
+        optimizer.count_on_device(self.counters.array)
+        info._keep_on_device(self.counters)  # its update count wins over the optimizer's
+        scaler._keep_on_device(self.counters)
+        self._lr_table = None
+        if scheduler is not None:
+            self._lr_table = LrTable(scheduler, optim_config, placement.index)
+            scheduler._decided_on_device(self.counters, self._lr_table.lr_of_update)
 
     def update(self, flat, *, lr, max_norm):
         """One update of `flat` from its gradients: clip, skip or apply, count, move the scale."""
-        divisor, _ = _kernels.clip_divisor(flat.grads, max_norm, counters=self.counters, **self._buffers)
-        lr_table = None if self._lr_table is None else self._lr_table.covering(self._applied_at_most + 1)
+        counters = self.counters.array
+        divisor, _ = _kernels.clip_divisor(flat.grads, max_norm, counters=counters, out=self._buffers.out,
+                                           partials=self._buffers.partials)
+        lr_table = (None if self._lr_table is None
+                    else self._lr_table.covering(self.counters.updates_applied_at_most() + 1))
         self._optimizer.step(flat.params, flat.grads, lr, divisor, lr_table=lr_table)
         scaler = self._scaler
-        _kernels.loss_scaler_update(divisor, self.counters, self._graph_scale,
+        _kernels.loss_scaler_update(divisor, counters, self.counters.graph_scale,
                                     up_scale_window=scaler.up_scale_window, min_loss_scale=scaler.min_loss_scale,
                                     max_loss_scale=scaler.max_loss_scale, automatic=scaler.automatic_update)
-        self._applied_at_most += 1
-        self._stale = True
-
-    def pull(self):
-        """The host objects from the device counters: one copy, only after an update."""
-        if not self._stale:
-            return
-        self._stale = False
-        with self._placement.step():  # after the step's kernels
-            counters = self.counters.get()
-        applied, stable, finite, scale = (float(value) for value in counters)
-        self._applied_at_most = int(applied)
-        self._info._optimization_step, self._info._all_finite = int(applied), finite == 1.0
-        self._scaler._loss_scale, self._scaler._stable_steps = scale, int(stable)
-        if self._scheduler is not None:  # the lr the last update was given, applied or skipped
-            last_t = int(applied) if finite == 1.0 else int(applied) + 1
-            self._scheduler._last_lr = [self._lr_table.host[last_t - 1]]
-
-    def push(self):
-        """The device counters from the host objects (after a write to one of them, which pulled first)."""
-        info, scaler = self._info, self._scaler
-        host = np.array([info._optimization_step, scaler._stable_steps, float(info._all_finite), scaler._loss_scale],
-                        dtype=np.float64)
-        with self._placement.step():  # before the next step's kernels
-            self.counters[...] = _kernels.require_cupy().asarray(host)
-            self._graph_scale[...] = np.float32(host[3])
-        self._applied_at_most = int(host[0])
+        self.counters.updated()

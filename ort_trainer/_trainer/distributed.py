@@ -269,19 +269,20 @@ class ShardedOptimizer:
         self._layout = layout
         self._shard = slice(shards.start, shards.stop)
         local_layout, self._segments = shard_layout(layout, shards.start, shards.stop)
-        self._inner = make_optimizer(config_name, local_layout, "cpu")
-        if isinstance(self._inner, Lamb):
-            self._inner.segment_sums = self._sum_over_shards
+        if config_name == Lamb.config_name:  # its trust ratios are per whole tensor
+            self._inner = Lamb(local_layout, "cpu", segment_sums=self._sum_over_shards)
+        else:
+            self._inner = make_optimizer(config_name, local_layout, "cpu")
 
     @property
     def step_count(self):
         return self._inner.step_count
 
-    def step(self, params, grads, lr, grad_divisor=1.0):
+    def step(self, params: np.ndarray, grads: np.ndarray, lr: float, grad_divisor: float = 1.0) -> None:
         self._inner.step(params[self._shard], grads[self._shard], lr, grad_divisor)
         self._shards.all_gather(torch.from_numpy(params))
 
-    def _sum_over_shards(self, params_sumsq, direction_sumsq):
+    def _sum_over_shards(self, params_sumsq: np.ndarray, direction_sumsq: np.ndarray) -> None:
         """Lamb's per-tensor sums of squares, in place: this shard's pieces -> whole tensors."""
         sums = np.zeros((2, self._layout.seg_offsets.size - 1))
         sums[:, self._segments] = params_sumsq, direction_sumsq

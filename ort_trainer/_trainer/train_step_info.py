@@ -1,6 +1,7 @@
 """TrainStepInfo: the step counters the trainer hands to LR schedulers and loss scalers."""
 import numbers
 
+from ..amp._device_counters import Counters, KeptOnDevice
 from ..optim._config import _OptimizerConfig
 
 
@@ -42,11 +43,11 @@ def _count(name, value):
 
 class _Checked:
     """An attribute whose every assignment is checked: a refused one leaves the old value.
-    `mirrored` ones are kept on the device by a trainer under loss scaling on CUDA (its
-    `_mirror`, `_trainer.device_scaling`): read from there, and written back."""
+    `on_device` ones may live on a device (`TrainStepInfo._keep_on_device`): read from there, and
+    written back."""
 
-    def __init__(self, check, *, mirrored=False):
-        self._check, self._mirrored = check, mirrored
+    def __init__(self, check, *, on_device=False):
+        self._check, self._on_device = check, on_device
 
     def __set_name__(self, owner, name):
         self._name, self._slot = name, f"_{name}"
@@ -54,21 +55,20 @@ class _Checked:
     def __get__(self, info, owner=None):
         if info is None:
             return self
-        if self._mirrored and info._mirror is not None:
-            info._mirror.pull()
+        if self._on_device:
+            info._sync_from_device()
         return getattr(info, self._slot)
 
     def __set__(self, info, value):
         value = self._check(self._name, value)
-        mirror = info._mirror if self._mirrored else None
-        if mirror is not None:
-            mirror.pull()  # the other mirrored values, before this one is written back with them
+        if self._on_device:
+            info._sync_from_device()  # the other values, before this one is written back with them
         setattr(info, self._slot, value)
-        if mirror is not None:
-            mirror.push()
+        if self._on_device:
+            info._write_to_device()
 
 
-class TrainStepInfo:
+class TrainStepInfo(KeptOnDevice):
     """Step counters handed to LR schedulers and loss scalers (the original's signature).
 
     `step` counts train_step calls; `optimization_step` counts applied optimizer updates;
@@ -82,11 +82,10 @@ class TrainStepInfo:
     """
 
     optimizer_config = _Checked(_optimizer_config)
-    all_finite = _Checked(_flag, mirrored=True)
+    all_finite = _Checked(_flag, on_device=True)
     fetches = _Checked(_fetches)
-    optimization_step = _Checked(_count, mirrored=True)
+    optimization_step = _Checked(_count, on_device=True)
     step = _Checked(_count)
-    _mirror = None
 
     def __init__(self, optimizer_config, all_finite=True, fetches=None, optimization_step=0, step=0):
         self.optimizer_config = optimizer_config
@@ -94,6 +93,12 @@ class TrainStepInfo:
         self.fetches = fetches
         self.optimization_step = optimization_step
         self.step = step
+
+    def _from_counters(self, counters: Counters) -> None:
+        self._optimization_step, self._all_finite = int(counters.updates_applied), counters.last_finite == 1.0
+
+    def _into_counters(self, counters: Counters) -> Counters:
+        return counters._replace(updates_applied=float(self._optimization_step), last_finite=float(self._all_finite))
 
     def __repr__(self):
         return (f"TrainStepInfo(optimizer_config={self.optimizer_config!r}, all_finite={self.all_finite!r}, "

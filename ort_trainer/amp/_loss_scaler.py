@@ -5,9 +5,10 @@ from collections.abc import Mapping
 
 from .._checkpoint_files import check_component_state
 from .._configuration.validation import validate
+from ._device_counters import Counters, KeptOnDevice
 
 
-class LossScaler(abc.ABC):
+class LossScaler(KeptOnDevice, abc.ABC):
     """Base of the loss scalers.
 
     The trainer feeds ``loss_scale`` to the graph and, once per optimizer update (at gradient-accumulation
@@ -17,10 +18,6 @@ class LossScaler(abc.ABC):
         loss_scale: the initial scale, > 0.
     """
 
-    #: Set by a trainer that keeps the scale on the device (``_trainer.device_scaling``): reads
-    #: ``pull`` the device's values first, writes ``push`` theirs back.
-    _mirror = None
-
     def __init__(self, loss_scale):
         self._initial_loss_scale = self._checked_scale(loss_scale)
         self.reset()
@@ -28,31 +25,23 @@ class LossScaler(abc.ABC):
     def _checked_scale(self, value) -> float:
         return validate("loss_scaler", {"loss_scale": value}, f"Invalid {type(self).__name__}")["loss_scale"]
 
-    def _pull(self):
-        if self._mirror is not None:
-            self._mirror.pull()
-
-    def _push(self):
-        if self._mirror is not None:
-            self._mirror.push()
-
     @property
     def loss_scale(self) -> float:
-        self._pull()
+        self._sync_from_device()
         return self._loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value):
         value = self._checked_scale(value)
-        self._pull()
+        self._sync_from_device()
         self._loss_scale = value
-        self._push()
+        self._write_to_device()
 
     def reset(self) -> None:
         """Back to the initial scale."""
-        self._pull()
+        self._sync_from_device()
         self._reset()
-        self._push()
+        self._write_to_device()
 
     def _reset(self):
         self._loss_scale = self._initial_loss_scale
@@ -109,8 +98,14 @@ class DynamicLossScaler(LossScaler):
         super()._reset()
         self._stable_steps = 0
 
+    def _from_counters(self, counters: Counters) -> None:
+        self._loss_scale, self._stable_steps = counters.loss_scale, int(counters.stable_steps)
+
+    def _into_counters(self, counters: Counters) -> Counters:
+        return counters._replace(stable_steps=float(self._stable_steps), loss_scale=self._loss_scale)
+
     def update(self, train_step_info) -> float:
-        self._pull()
+        self._sync_from_device()
         if self.automatic_update:
             if train_step_info.all_finite:
                 self._stable_steps += 1
@@ -120,12 +115,12 @@ class DynamicLossScaler(LossScaler):
             else:
                 self._loss_scale = max(self.min_loss_scale, self._loss_scale / 2.0)
                 self._stable_steps = 0
-        self._push()
+        self._write_to_device()
         return self._loss_scale
 
     def state_dict(self) -> dict:
         """Settings, current scale and finite-update count (plain values, for checkpoints)."""
-        self._pull()
+        self._sync_from_device()
         return {"type": type(self).__name__, "automatic_update": self.automatic_update,
                 "initial_loss_scale": self._initial_loss_scale, "loss_scale": self._loss_scale,
                 "up_scale_window": self.up_scale_window, "min_loss_scale": self.min_loss_scale,
@@ -134,6 +129,6 @@ class DynamicLossScaler(LossScaler):
     def load_state_dict(self, state: Mapping) -> None:
         """Restore ``state_dict()`` output; like torch's GradScaler, the checkpoint's settings win."""
         prefix = check_component_state(self, state)
-        self._pull()
+        self._sync_from_device()
         self._configure(prefix, {key: value for key, value in state.items() if key != "type"})
-        self._push()
+        self._write_to_device()

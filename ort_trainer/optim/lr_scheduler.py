@@ -11,23 +11,20 @@ had lr 0 whenever ``W > 0``. Here the first update uses ``1 / max(1, W)`` of the
 number ``total_steps`` is the one that reaches the end of the decay (Linear and Cosine 0, Poly ``lr_end``).
 """
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .._checkpoint_files import check_component_state
 from .._configuration.validation import validate
+from ..amp._device_counters import Counters, DeviceCounters, KeptOnDevice
 
 
-class _LRScheduler:
+class _LRScheduler(KeptOnDevice):
     """Validation, warmup, stepping and state shared by the schedulers; subclasses define ``_decay``.
 
     Every scheduler takes ``total_steps`` (the number of optimizer updates in the schedule, an int
     > 0) and ``warmup`` (the fraction of ``total_steps`` spent warming up, in [0, 1)). Differs from
     the original: the k-th update uses ``t = k`` (the original's first update had lr 0).
     """
-
-    #: Set by a trainer that evaluates the schedule ahead for updates decided on the device
-    #: (``_trainer.device_scaling``): ``pull`` sets the last lr first.
-    _mirror = None
 
     def __init__(self, **config):
         self._configure(f"Invalid {type(self).__name__}", config)
@@ -67,24 +64,35 @@ class _LRScheduler:
         self._last_lr = self.get_lr(train_step_info)
         return self._last_lr
 
+    def _decided_on_device(self, device: DeviceCounters, lr_of_update: Callable[[int], float]) -> None:
+        """From now on the updates are decided on the device, each with ``lr_of_update(t)`` for
+        t = 1, 2, ... (the schedule evaluated ahead, ``_trainer.device_scaling``): the last lr is
+        read back from ``device``'s counters after an update."""
+        self._lr_of_update = lr_of_update
+        self._keep_on_device(device)
+
+    def _from_counters(self, counters: Counters) -> None:
+        """The lr the last update was given, applied or skipped (t = applied + 1 for a skipped one)."""
+        applied = int(counters.updates_applied)
+        self._last_lr = [self._lr_of_update(applied if counters.last_finite == 1.0 else applied + 1)]
+
     def get_last_lr(self) -> list[float]:
         """``[lr]`` of the last update."""
-        if self._mirror is not None:
-            self._mirror.pull()
+        self._sync_from_device()
         if self._last_lr is None:
             raise RuntimeError(f"{type(self).__name__}.get_last_lr(): no update yet; the first train_step sets it")
         return list(self._last_lr)
 
     def state_dict(self) -> dict:
         """Hyperparameters and the last lr (plain values, for checkpoints)."""
-        if self._mirror is not None:
-            self._mirror.pull()
+        self._sync_from_device()
         last_lr = None if self._last_lr is None else list(self._last_lr)
         return {"type": type(self).__name__, **self._config, "last_lr": last_lr}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore ``state_dict()`` output; like torch's schedulers, the checkpoint's hyperparameters win."""
         prefix = check_component_state(self, state)
+        self._sync_from_device()  # the loaded last lr is the newest one
         self._configure(prefix, {key: state[key] for key in [*self._config, "last_lr"]})
 
 

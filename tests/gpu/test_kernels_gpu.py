@@ -103,13 +103,14 @@ def reference_step(family, layout, w, g, state, step, lr, divisor):
     for group in layout.groups:
         s = slice(group.start, group.stop)
         if family == "sgd":
-            sgd_reference(w[s], g[s], state["momentum"][s], step, lr, group.hyper, divisor)
+            sgd_reference(w[s], g[s], state["momentum"][s], step=step, lr=lr, hyper=group.hyper,
+                          grad_divisor=divisor)
         elif family == "adam":
-            adam_reference(w[s], g[s], state["exp_avg"][s], state["exp_avg_sq"][s], step, lr,
-                           group.hyper, divisor)
+            adam_reference(w[s], g[s], state["exp_avg"][s], state["exp_avg_sq"][s], step=step, lr=lr,
+                           hyper=group.hyper, grad_divisor=divisor)
         else:
-            lamb_reference(w[s], g[s], state["exp_avg"][s], state["exp_avg_sq"][s], step, lr,
-                           group.hyper, divisor, seg_offsets=layout.local_offsets(group))
+            lamb_reference(w[s], g[s], state["exp_avg"][s], state["exp_avg_sq"][s], step=step, lr=lr,
+                           hyper=group.hyper, grad_divisor=divisor, seg_offsets=layout.local_offsets(group))
 
 
 def device_step(family, table, w, g, state, step, lr, divisor):

@@ -49,6 +49,10 @@ class Placement:
         return contextlib.nullcontext()
 
 
+def stable_steps(loss_scaler):
+    return loss_scaler.state_dict()["stable_steps"]
+
+
 def scaler():
     return DynamicLossScaler(loss_scale=2.0**10, up_scale_window=3, min_loss_scale=1.0, max_loss_scale=2.0**11)
 
@@ -80,7 +84,7 @@ def host_rule(name, layout, w, *, max_norm, with_scheduler):
             info.optimization_step += 1
         loss_scaler.update(info)
         yield (w.copy(), {k: v.copy() for k, v in optimizer.state.items()},
-               (info.optimization_step, loss_scaler._stable_steps, info.all_finite, loss_scaler.loss_scale),
+               (info.optimization_step, stable_steps(loss_scaler), info.all_finite, loss_scaler.loss_scale),
                lr_scheduler.get_last_lr()[0] if lr_scheduler else None)
 
 
@@ -119,7 +123,7 @@ def test_device_rule_matches_the_host_rule(name, max_norm, with_scheduler):
             gradients(layout.size, 2.0**10), host_rule(name, layout, w, max_norm=max_norm,
                                                         with_scheduler=with_scheduler)):
         device.update(g, max_norm)
-        got = (device.info.optimization_step, device.scaler._stable_steps, device.info.all_finite,
+        got = (device.info.optimization_step, stable_steps(device.scaler), device.info.all_finite,
                device.scaler.loss_scale)
         assert got == want_counters, f"update {update}"
         assert float(device.graph_scale.get()) == want_counters[3]
@@ -168,13 +172,13 @@ def test_host_writes_reach_the_device():
     device = Device("AdamOptimizer", layout, np.ones(layout.size, dtype=np.float32), with_scheduler=False)
     device.update(np.ones(layout.size, dtype=np.float32), math.inf)
     device.scaler.loss_scale = 8.0
-    assert float(device.graph_scale.get()) == 8.0 and device.scaling.counters.get()[3] == 8.0
+    assert float(device.graph_scale.get()) == 8.0 and device.scaling.counters.array.get()[3] == 8.0
     device.info.optimization_step = 5
     assert device.optimizer.step_count == 5 and device.scaler.loss_scale == 8.0
     device.scaler.load_state_dict({**device.scaler.state_dict(), "loss_scale": 16.0, "stable_steps": 2})
-    np.testing.assert_array_equal(device.scaling.counters.get(), [5.0, 2.0, 1.0, 16.0])
+    np.testing.assert_array_equal(device.scaling.counters.array.get(), [5.0, 2.0, 1.0, 16.0])
     device.update(np.ones(layout.size, dtype=np.float32), math.inf)  # the third stable update doubles it
-    assert (device.info.optimization_step, device.scaler.loss_scale, device.scaler._stable_steps) == (6, 32.0, 0)
+    assert (device.info.optimization_step, device.scaler.loss_scale, stable_steps(device.scaler)) == (6, 32.0, 0)
 
 
 def test_only_dynamic_loss_scalers_on_cuda_run_on_the_device():
@@ -200,6 +204,25 @@ def test_an_update_reads_nothing_back(monkeypatch):
         device.update(g, 1.0)
     monkeypatch.undo()
     assert device.info.optimization_step == UPDATES - len(BAD)
+
+
+@pytest.mark.skipif(not EMULATED, reason="the emulation's arrays can be patched")
+def test_one_copy_back_serves_every_host_object(monkeypatch):
+    """The host objects read their device form lazily: nothing when it is made nor during the
+    updates, one copy of the counters for all of them after, and the values of the host rule."""
+    layout = layout_for("LambOptimizer")
+    w = np.random.default_rng(5).standard_normal(layout.size).astype(np.float32)
+    copies, get = [], cupy.ndarray.get
+    monkeypatch.setattr(cupy.ndarray, "get", lambda array: copies.append(array.shape) or get(array))
+    device = Device("LambOptimizer", layout, w, with_scheduler=True)
+    for _, g in gradients(layout.size, 2.0**10):
+        device.update(g, 1.0)
+    assert copies == []
+    *_, (_, _, want_counters, want_lr) = host_rule("LambOptimizer", layout, w, max_norm=1.0, with_scheduler=True)
+    got = (device.info.optimization_step, stable_steps(device.scaler), device.info.all_finite,
+           device.scaler.loss_scale)
+    assert (got, device.scheduler.get_last_lr()) == (want_counters, [want_lr])
+    assert copies == [(4,)]
 
 
 _SPIN = r'''
