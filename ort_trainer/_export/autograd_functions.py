@@ -20,8 +20,7 @@ from torch.onnx._internal.torchscript_exporter import _type_utils
 from torch.utils._pytree import tree_leaves
 
 from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
-
-AUTOGRAD_FUNCTION = "ort_trainer::autograd_function"
+from .._torch_node_catalogue import AUTOGRAD_FUNCTION
 
 
 class AutogradFunctionRefused(NotImplementedError):
