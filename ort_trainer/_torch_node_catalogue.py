@@ -9,8 +9,8 @@ list, both ways:
 - its gradient (`gradient`): the operator of its gradient node, which
   `_graph.torch_nodes.register_torch_node_gradients` registers with ONNX Runtime's gradient builder;
   or STOP_GRADIENT (no gradient flows through it: a stop-gradient edge); or why it needs none;
-- whether its nodes may draw from torch's generator (`draws`): recompute repeats none of those that
-  do (`draws_random_numbers`; a copy would draw other numbers), and repeats any other.
+- whether its nodes may draw from torch's generator (`draws`): recompute never repeats a node that
+  does (`draws_random_numbers`; a copy would draw other numbers).
 
 Who writes the nodes: the training export's symbolics (`_export.torch_node_symbolics`,
 `_export.autograd_functions`), the graph rewrites (`_graph.torch_nodes`, `_graph.bf16_products`,
@@ -81,9 +81,11 @@ TO_BF16 = _declare("to_bf16", gradient=STOP_GRADIENT)
 TO_FP32 = _declare("to_fp32", gradient=BUILT_GRAPHS_ONLY)  # a Cast from bf16
 LOG_SOFTMAX_FP32 = _declare("log_softmax_fp32", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)  # bf16 logits
 SOFTMAX_GRAD_TO_BF16 = _declare("softmax_grad_to_bf16", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
-MATRIX_PRODUCT = _declare("matrix_product", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)  # fp32, torch.mm
+# an fp32 product torch's kernel computes faster than ONNX Runtime's
+MATRIX_PRODUCT = _declare("matrix_product", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
 GELU_GRAD = _declare("tanh_gelu_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)  # torch's gelu_backward
-RESIZE_GRAD = _declare("resize_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)  # no CPU ResizeGrad
+# torch's backward where the CPU provider has no ResizeGrad, ConvTransposeGrad kernel
+RESIZE_GRAD = _declare("resize_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
 CONV_TRANSPOSE_GRAD = _declare("conv_transpose_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
 
 #: forward operator -> its gradient node's operator

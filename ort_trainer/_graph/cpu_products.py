@@ -19,6 +19,7 @@ from .._onnx import inferred_tensors, node_attributes, torch_node
 from .._torch_node_catalogue import MATRIX_PRODUCT  # run by `_runtime.product_kernels.matrix_product`
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes
+
 _FLOAT = 1  # onnx.TensorProto.FLOAT
 _PRODUCTS = {("", "MatMul"), ("ai.onnx", "MatMul"), ("", "Gemm"), ("ai.onnx", "Gemm"), ("com.microsoft", "FusedMatMul")}
 
