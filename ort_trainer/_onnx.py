@@ -207,7 +207,7 @@ def needed_for(model, targets):
 
 
 # Torch nodes: ONNX Runtime's `ATen` op (this domain) running one of our torch implementations
-# (`_runtime.torch_ops`), named in `operator` ('ort_trainer::<name>'), its parameters as JSON in
+# (`_runtime.torch_ops`), named in `operator` (`_torch_node_catalogue`), its parameters as JSON in
 # `overload_name`. ATen outputs get no type inference: the graph must state their types.
 TORCH_NODE_DOMAIN = "org.pytorch.aten"
 

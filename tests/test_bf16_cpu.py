@@ -548,7 +548,7 @@ def test_the_loss_gradient_in_bf16_is_the_graph_nodes_and_adds_a_returned_gradie
     refused by name."""
     import onnxruntime
 
-    from ort_trainer._graph.torch_node_shapes import SOFTMAX_GRAD_TO_BF16
+    from ort_trainer._torch_node_catalogue import SOFTMAX_GRAD_TO_BF16
     from ort_trainer._runtime.torch_ops import IMPLEMENTATIONS
 
     generator = torch.Generator().manual_seed(3)

@@ -8,7 +8,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "ort_trainer"
 # Stage of each top-level module or subpackage (a higher number may import a lower one).
 STAGES = {
-    "_install": 0, "_onnx": 0, "_checkpoint_files": 0, "_configuration": 0, "data": 0,
+    "_install": 0, "_onnx": 0, "_checkpoint_files": 0, "_configuration": 0, "data": 0, "_torch_node_catalogue": 0,
     "amp": 1,
     "_export": 2,
     "_graph": 3,

@@ -21,8 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._configuration.refusals import OnnxModelRefused
 from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
-
-AUTOGRAD_FUNCTION = "ort_trainer::autograd_function"
+from .._torch_node_catalogue import AUTOGRAD_FUNCTION
 
 
 class AutogradFunctionRefused(OnnxModelRefused):

@@ -20,19 +20,9 @@ from torch.onnx.errors import SymbolicValueError, UnsupportedOperatorError
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._onnx import TORCH_NODE_DOMAIN, torch_node_params
+from .._torch_node_catalogue import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, RRELU_SLOPES
 
-TORCH_OP_PREFIX = "ort_trainer::"
-ADAPTIVE_AVG_POOL = TORCH_OP_PREFIX + "adaptive_avg_pool"
-FUNCTION = TORCH_OP_PREFIX + "function"
-DETACH = TORCH_OP_PREFIX + "detach"
-RRELU_SLOPES = "ops.aten.rrelu_with_noise_functional"  # the FUNCTION whose output 1 is nn.RReLU's slopes
 RECURRENT = frozenset({"rnn_tanh", "rnn_relu", "gru", "lstm"})  # recurrent layers' FUNCTIONs: (output, h_n[, c_n])
-
-
-def draws_random_numbers(params):
-    """Whether a torch node of these params draws from torch's generator: multinomial, RReLU's
-    slopes, a recurrent layer's dropout (`draws`). A copy of it would draw other numbers."""
-    return bool(params.get("draws")) or params.get("function") in ("multinomial", RRELU_SLOPES)
 
 # Losses the exporter refuses -> (leading tensors, the index of `reduction` among the constant
 # arguments, the unreduced loss's shape: "elementwise" (the inputs') or "rows" (one per row)).

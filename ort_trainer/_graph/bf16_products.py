@@ -20,9 +20,9 @@ import math
 import onnx
 
 from .._onnx import inferred_tensors, node_attributes, set_nodes, torch_node, torch_node_operator, torch_node_params_of
-from .torch_node_shapes import LOG_SOFTMAX_FP32, SOFTMAX_GRAD_TO_BF16, TO_FP32, set_value_info
-from .torch_nodes import (PRODUCT, PRODUCT_GRAD, TO_BF16, needing_gradient, reached_first,
-                          register_torch_node_gradients, replace_nodes)
+from .._torch_node_catalogue import LOG_SOFTMAX_FP32, PRODUCT, PRODUCT_GRAD, SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32
+from .torch_node_shapes import set_value_info
+from .torch_nodes import needing_gradient, reached_first, register_torch_node_gradients, replace_nodes
 
 
 def products_as_torch_nodes(model, computes_in_fp32, *, differentiable=()):

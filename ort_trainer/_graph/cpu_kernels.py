@@ -15,8 +15,8 @@ import re
 
 import onnx
 
-from .._export.torch_node_symbolics import FUNCTION, TORCH_OP_PREFIX
 from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset, torch_node
+from .._torch_node_catalogue import FUNCTION, GELU_GRAD  # GELU_GRAD: torch's gelu_backward
 from .cpu_products import matrix_products_in_torch
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes, substitute_torch_kernels
@@ -230,7 +230,6 @@ def fast_gather_grad(model):
 
 
 _GELU_GRADS = {"FastGeluGrad": False, "BiasFastGeluGrad_dX": True}  # op -> whether it takes a bias
-GELU_GRAD = TORCH_OP_PREFIX + "tanh_gelu_grad"  # run by `_runtime.torch_ops`: torch's gelu_backward
 
 
 def _float_gelu_grads(model):

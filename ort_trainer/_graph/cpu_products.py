@@ -15,12 +15,11 @@ gradient builder writes as a FusedMatMul (ONNX Runtime's MatMul with transpose f
 """
 import math
 
-from .._export.torch_node_symbolics import TORCH_OP_PREFIX
 from .._onnx import inferred_tensors, node_attributes, torch_node
+from .._torch_node_catalogue import MATRIX_PRODUCT  # run by `_runtime.product_kernels.matrix_product`
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes
 
-MATRIX_PRODUCT = TORCH_OP_PREFIX + "matrix_product"  # run by `_runtime.product_kernels.matrix_product`
 _FLOAT = 1  # onnx.TensorProto.FLOAT
 _PRODUCTS = {("", "MatMul"), ("ai.onnx", "MatMul"), ("", "Gemm"), ("ai.onnx", "Gemm"), ("com.microsoft", "FusedMatMul")}
 

@@ -28,8 +28,8 @@ import torch
 
 from .._configuration.options import recomputes
 from .._export.checkpointing import segment_of
-from .._export.torch_node_symbolics import draws_random_numbers
-from .._onnx import constant_values, torch_node_params_of
+from .._onnx import constant_values, torch_node_operator, torch_node_params_of
+from .._torch_node_catalogue import draws_random_numbers
 from .missing_gradient import torch_module
 
 _SUFFIX = "_recompute"
@@ -50,7 +50,8 @@ def _is_onnx(node):
 def _kept(node):
     """Whether `node` is left to the forward: a constant, a random op, a torch node that draws
     random numbers (multinomial, RReLU's slopes, a recurrent layer's dropout)."""
-    return node.op_type in _KEPT or node.op_type in _RANDOM_CONTRIB or draws_random_numbers(torch_node_params_of(node))
+    return (node.op_type in _KEPT or node.op_type in _RANDOM_CONTRIB
+            or draws_random_numbers(torch_node_operator(node), torch_node_params_of(node)))
 
 
 def layer_stack(model):

@@ -4,17 +4,10 @@ the node's parameters, per torch operator and function."""
 
 import onnx
 
-from .._export.autograd_functions import AUTOGRAD_FUNCTION
-from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, RECURRENT, TORCH_OP_PREFIX, WITH_INDICES
+from .._export.torch_node_symbolics import RECURRENT, WITH_INDICES
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import in_operand_order, inferred_tensors, node_attributes, torch_node_operator, torch_node_params_of
-
-EINSUM = TORCH_OP_PREFIX + "einsum"  # `_graph.torch_nodes`
-TO_BF16 = TORCH_OP_PREFIX + "to_bf16"  # `_graph.bf16_products`: a factor's bf16 copy, a bf16 Cast
-TO_FP32 = TORCH_OP_PREFIX + "to_fp32"  # `_graph.bf16_products`: a Cast from bf16
-# `_graph.bf16_products.bf16_logits_into_loss`: bf16 logits into the loss, its gradient back in bf16
-LOG_SOFTMAX_FP32 = TORCH_OP_PREFIX + "log_softmax_fp32"
-SOFTMAX_GRAD_TO_BF16 = TORCH_OP_PREFIX + "softmax_grad_to_bf16"
+from .._torch_node_catalogue import ADAPTIVE_AVG_POOL, AUTOGRAD_FUNCTION, DETACH, EINSUM, FUNCTION, TO_BF16, TO_FP32
 
 
 def _einsum_shape(shapes, params):
@@ -115,10 +108,10 @@ _SHAPE_CHANGING = {
 }
 
 
-#: forward operator -> output shape(input shapes, params)
-_SHAPES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shape, FUNCTION: _function_shape,
-           DETACH: lambda shapes, params: list(shapes[0]), TO_BF16: lambda shapes, params: list(shapes[0]),
-           TO_FP32: lambda shapes, params: list(shapes[0])}
+#: forward operator -> output shape(input shapes, params); the catalogue says which operators need none
+SHAPE_RULES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shape, FUNCTION: _function_shape,
+               DETACH: lambda shapes, params: list(shapes[0]), TO_BF16: lambda shapes, params: list(shapes[0]),
+               TO_FP32: lambda shapes, params: list(shapes[0])}
 
 
 def declare_torch_node_outputs(model):
@@ -138,7 +131,7 @@ def declare_torch_node_outputs(model):
             if attributes["operator"].decode() == AUTOGRAD_FUNCTION:
                 continue
             params = torch_node_params_of(node)
-            shape_of = _SHAPES.get(attributes["operator"].decode())
+            shape_of = SHAPE_RULES.get(attributes["operator"].decode())
             inputs = in_operand_order([tensors.get(name, (0, None)) for name in node.input], params)
             shape = None
             if shape_of is not None and all(dims is not None and all(isinstance(d, int) for d in dims)

@@ -18,28 +18,12 @@ import json
 import onnx
 from onnxruntime.capi import _pybind_state as C
 
-from .._export.autograd_functions import AUTOGRAD_FUNCTION
-from .._export.torch_node_symbolics import ADAPTIVE_AVG_POOL, DETACH, FUNCTION, TORCH_OP_PREFIX
 from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import (node_attributes, onnx_opset, set_nodes, set_torch_node_params, torch_node, torch_node_operator,
                      torch_node_params, torch_node_params_of)
-from .torch_node_shapes import EINSUM, TO_BF16, declare_torch_node_outputs
-
-RESIZE_GRAD = TORCH_OP_PREFIX + "resize_grad"
-CONV_TRANSPOSE_GRAD = TORCH_OP_PREFIX + "conv_transpose_grad"
-EINSUM_GRAD = TORCH_OP_PREFIX + "einsum_grad"
-ADAPTIVE_AVG_POOL_GRAD = TORCH_OP_PREFIX + "adaptive_avg_pool_grad"
-FUNCTION_GRAD = TORCH_OP_PREFIX + "function_grad"
-PRODUCT = TORCH_OP_PREFIX + "bf16_product"  # `_graph.bf16_products`
-PRODUCT_GRAD = TORCH_OP_PREFIX + "bf16_product_grad"
-AUTOGRAD_FUNCTION_GRAD = TORCH_OP_PREFIX + "autograd_function_grad"  # the Function's own backward
-
-#: forward operator -> its gradient's operator
-GRADIENTS = {EINSUM: EINSUM_GRAD, ADAPTIVE_AVG_POOL: ADAPTIVE_AVG_POOL_GRAD, FUNCTION: FUNCTION_GRAD,
-             PRODUCT: PRODUCT_GRAD, AUTOGRAD_FUNCTION: AUTOGRAD_FUNCTION_GRAD}
-#: each gradient is one node for all inputs: one autograd pass of the forward recomputed (a bf16
-#: product's from the bf16 factors its forward kept, a custom autograd.Function's on its kept ctx)
-GRADIENT_OPERATORS = frozenset(GRADIENTS.values())
+from .._torch_node_catalogue import (AUTOGRAD_FUNCTION, AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM,
+                                     FUNCTION, GRADIENT_OPERATORS, GRADIENTS, PRODUCT, RESIZE_GRAD, STOPS_GRADIENT)
+from .torch_node_shapes import declare_torch_node_outputs
 
 # ONNX Resize (mode, coordinate_transformation_mode, nearest_mode) as torch exports F.interpolate:
 # -> (torch mode by input rank, align_corners)
@@ -207,7 +191,7 @@ def register_torch_node_gradients(model):
             continue
         attributes = node_attributes(node)
         operator, overload = attributes["operator"].decode(), attributes.get("overload_name", b"").decode()
-        if operator in (DETACH, TO_BF16):  # no gradient through it (a copy's: through the product's fp32 factors)
+        if operator in STOPS_GRADIENT:  # detach, a factor's bf16 copy (the product's gradient: to its fp32 factors)
             C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{operator}::{overload}", {0})
         if operator not in GRADIENTS:
             continue

@@ -25,14 +25,12 @@ import torch
 import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
-from .._export.autograd_functions import AUTOGRAD_FUNCTION, function_call
-from .._graph.cpu_kernels import GELU_GRAD
-from .._graph.cpu_products import MATRIX_PRODUCT
-from .._graph.torch_node_shapes import LOG_SOFTMAX_FP32, SOFTMAX_GRAD_TO_BF16, TO_FP32
-from .._graph.torch_nodes import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION_GRAD,
-                                  CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD, FUNCTION, FUNCTION_GRAD, PRODUCT,
-                                  PRODUCT_GRAD, RESIZE_GRAD, TO_BF16)
+from .._export.autograd_functions import function_call
 from .._onnx import in_operand_order
+from .._torch_node_catalogue import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION,
+                                     AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD,
+                                     FUNCTION, FUNCTION_GRAD, GELU_GRAD, LOG_SOFTMAX_FP32, MATRIX_PRODUCT, PRODUCT,
+                                     PRODUCT_GRAD, RESIZE_GRAD, SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32)
 from .cpu_buffers import converted, empty
 from .product_kernels import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
                              softmax_grad_to_bf16)
@@ -298,7 +296,7 @@ class FunctionContexts:
             _contexts.pop(number, None)
 
 
-#: operator -> implementation(list of input tensors, params) -> list of output tensors
+#: operator (`_torch_node_catalogue`) -> implementation(list of input tensors, params) -> list of output tensors
 IMPLEMENTATIONS = {
     RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
     EINSUM: _einsum, EINSUM_GRAD: _input_gradients(_einsum),

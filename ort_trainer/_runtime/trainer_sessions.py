@@ -11,7 +11,7 @@ from .._graph.gradient_builder_preparation import NO_GRADIENT_SUFFIX
 from .._onnx import inferred_tensors
 from .memory import TORCH_TO_NUMPY
 from .sessions import seed_random_ops
-from .._export.autograd_functions import AUTOGRAD_FUNCTION
+from .._torch_node_catalogue import AUTOGRAD_FUNCTION
 from .torch_ops import raising_torch_op_errors
 
 _ORT_TYPE_TO_TORCH = {
