@@ -13,9 +13,9 @@ No proof against torch on a hit: the entry is the graph that the same export of 
 state gave, not one re-derived for a new shape (ORTModule re-derives none)."""
 import logging
 
-from .._export.autograd_functions import AUTOGRAD_FUNCTION
 from .._export.fingerprint import NotPortable, model_fingerprint, portable_value
 from .._onnx import torch_node_operator
+from .._torch_node_catalogue import AUTOGRAD_FUNCTION
 from .disk_cache import UNDECODABLE, DiskCache, machine
 from .module_compiler import GraphParts, ModuleGraph
 
