@@ -1,6 +1,6 @@
 """The command-line vocabulary both examples share: engine names (one canonical name each, older
-spellings as aliases), every flag also spelled with underscores, the ``--help`` description, and the
-progress bar of training and evaluation."""
+spellings as aliases), every flag also spelled with underscores, the ``--help`` description, the
+progress bar of training and evaluation, and an engine's import of ort_trainer (refused with how to install it)."""
 from __future__ import annotations
 
 import argparse

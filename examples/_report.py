@@ -1,6 +1,7 @@
-"""What the examples record besides their log lines: the per-step losses and times of one or both
-engines (CSV), the picture of both engines' loss curves (``--compare``, matplotlib), and one MLflow
-run per engine in a local store (``--mlflow``). matplotlib and MLflow are imported only when asked for."""
+"""What the examples record besides their log lines: their metrics (JSON, also the benchmarks' --json),
+the per-step losses and times of one or both engines (CSV), the picture of both engines' loss curves
+(``--compare``, matplotlib), and one MLflow run per engine in a local store (``--mlflow``). matplotlib
+and MLflow are imported only when asked for."""
 from __future__ import annotations
 
 import csv
