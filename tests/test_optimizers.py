@@ -592,7 +592,7 @@ def test_cupy_backend_calls_kernels(monkeypatch):
         setattr(fake_kernels, f"{family}_step",
                 lambda table, *arrays, _family=family, **scalars: calls.append(
                     (_family, table, len(arrays), scalars)))
-    monkeypatch.setattr(opt, "cuda", fake_kernels)
+    monkeypatch.setattr(opt, "cuda_steps", fake_kernels)
 
     params, grads = np.ones(4, np.float32), np.ones(4, np.float32)
     for name, hyper in [("SGDOptimizer", SGD_HYPER), ("AdamOptimizer", ADAM_HYPER),
