@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.wikitext2.model import TransformerModel  # noqa: E402
+from examples._report import write_json  # noqa: E402
 from examples.wikitext2.train import make_loss_fn  # noqa: E402
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 from ort_trainer._graph import autocast  # noqa: E402
@@ -131,8 +132,7 @@ def main():
     result = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     result.update(cpu=torch.backends.cpu.get_cpu_capability(), bf16_decision_forced=forced, rounds=args.rounds)
     print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

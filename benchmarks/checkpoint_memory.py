@@ -26,6 +26,8 @@ from pathlib import Path
 REPO_ROOT = Path.cwd()
 sys.path.insert(0, str(REPO_ROOT))
 
+from examples._report import write_json  # noqa: E402
+
 CONFIGS = ("eager", "eager_checkpointed", "ortmodule", "ortmodule_checkpointed")
 
 
@@ -137,8 +139,7 @@ def main():
             print(f"{model_name:5} {config:24} peak above baseline {result['peak_above_baseline_mib']:8,.0f} MiB "
                   f"(baseline {result['baseline_mib']:,.0f}, before step 2 {result['before_step_mib']:,.0f}) "
                   f"losses {[round(loss, 5) for loss in result['losses']]}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

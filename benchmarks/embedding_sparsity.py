@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.label_sparsity import add_timing_arguments, interleaved, torch_adamw_step  # noqa: E402
+from examples._report import write_json  # noqa: E402
 from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 
 ENGINES = ("ortmodule dense", "ortmodule sparse", "ortrainer dense", "ortrainer sparse", "eager")
@@ -137,8 +137,7 @@ def main(argv=None):
         print(f"  {front}: dense / sparse {result[f'{front}_dense_over_sparse']:.2f}x, eager / sparse "
               f"{result[f'{front}_eager_over_sparse']:.2f}x; dense vs sparse loss: worst relative difference "
               f"{result[f'{front}_dense_vs_sparse_worst_relative_loss_difference']:.1e}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

@@ -24,6 +24,11 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from examples._report import write_json  # noqa: E402
+
 ENGINES = ("ortmodule", "ortrainer")
 
 
@@ -45,7 +50,6 @@ def parse_args(argv=None):
 
 def child(args):
     """One process: the first step (and one more) timed; prints JSON."""
-    sys.path.insert(0, str(REPO_ROOT))
     import torch
     import transformers
 
@@ -127,8 +131,7 @@ def main(argv=None):
         print(f"  {engine:9s} cold {medians['cold']['first_s']:6.2f} s, warm {medians['warm']['first_s']:6.2f} s "
               f"(warm / cold {ratio:.2f}); the next step {medians['cold']['next_s']:.2f} / "
               f"{medians['warm']['next_s']:.2f} s")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

@@ -17,7 +17,6 @@ apex's defaults (global clip at 1.0) with the same groups.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -31,6 +30,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.optimizer_step import gpt2_tensor_sizes  # noqa: E402
+from examples._report import write_json  # noqa: E402
 from ort_trainer.optim import FusedAdam, FusedLamb  # noqa: E402
 
 # (layers, width, vocab, context): ~12 M parameters (the seed's vocabulary) and GPT-2 small.
@@ -138,8 +138,7 @@ def main(argv=None):
             print(f"{label:<20}{s['median_ms']:>11.2f}{s['min_ms']:>9.2f}{s['max_ms']:>9.2f}"
                   f"{s['median_ms'] / baseline:>15.2f}x")
         results["models"][model] = {"params": n, "tensors": len(sizes), "steps": summary}
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

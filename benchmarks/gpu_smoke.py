@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.wikitext2.model import TransformerModel  # noqa: E402
+from examples._report import write_json  # noqa: E402
 from examples.wikitext2.train import make_loss_fn  # noqa: E402
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 
@@ -89,8 +90,7 @@ def main():
               "pytorch_eager_ms_per_step": median_ms(pytorch_run(model, args.ntokens, data, args.device), warmup),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else args.device}
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0 if worst <= 1e-4 else 1
 
 

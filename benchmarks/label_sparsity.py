@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from examples._report import write_json  # noqa: E402
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 
 ENGINES = ("dense", "sparse", "eager")
@@ -141,8 +141,7 @@ def main(argv=None):
         print(f"  {engine:6s} {median[engine]:9.1f}")
     print(f"  dense / sparse {result['dense_over_sparse']:.2f}x, eager / sparse {result['eager_over_sparse']:.2f}x; "
           f"dense vs sparse loss: worst relative difference {worst:.1e}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

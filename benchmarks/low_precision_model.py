@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from examples._report import write_json  # noqa: E402
 
 
 def main():
@@ -62,9 +68,7 @@ def main():
     median = {name: statistics.median(values) for name, values in per_round.items()}
     for name, value in median.items():
         print(f"{name:18s} {value:9.1f} ms (forward + backward)")
-    if args.json:
-        args.json.write_text(json.dumps({"args": {**vars(args), "json": str(args.json)}, "median_ms": median},
-                                        indent=2))
+    write_json(args.json, {"args": {**vars(args), "json": str(args.json)}, "median_ms": median})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ AMX or AVX512-BF16 and is refused on others. The JSON records the CPU's flags.
 """
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples._report import write_json  # noqa: E402
 from examples.wikitext2.model import TransformerModel  # noqa: E402
 from examples.wikitext2.train import make_loss_fn  # noqa: E402
 from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
@@ -189,9 +189,7 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if args.device == "cuda" else {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "amx": torch.cpu._is_amx_tile_supported(),
         "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "threads": torch.get_num_threads()}
-    if args.json:
-        args.json.write_text(json.dumps({"device": device, "config": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=2) + "\n")
+    write_json(args.json, {"device": device, "config": vars(args) | {"json": str(args.json)}, "results": results})
     return results
 
 

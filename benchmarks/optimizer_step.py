@@ -21,7 +21,6 @@ Prints a table; skips with a message (exit 0) where CuPy or a CUDA device is mis
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -32,6 +31,8 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from examples._report import write_json  # noqa: E402
 
 # Bytes each step moves per parameter (fp32): reads + writes of the flat buffers.
 BYTES_PER_PARAM = {
@@ -207,8 +208,7 @@ def main(argv=None):
     if count == 0:
         message = f"optimizer_step: skipped, needs CuPy and a CUDA device ({reason})"
         print(message)
-        if args.json:
-            args.json.write_text(json.dumps({"skipped": message}, indent=2) + "\n")
+        write_json(args.json, {"skipped": message})
         return 0
 
     sizes = gpt2_tensor_sizes(args.layers, args.width, args.vocab, args.context)
@@ -254,7 +254,7 @@ def main(argv=None):
                   "adam_floor_ms": adam_floor, "rows": rows, "torch_note": torch_note,
                   "params_finite": finite, "python": platform.python_version(),
                   "cupy": getattr(cupy, "__version__", None), "args": {k: str(v) for k, v in vars(args).items()}}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     return 0
 
 

@@ -24,7 +24,6 @@ product in ONNX Runtime (``*_ort_products``), interleaved with the others in the
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ import torch  # noqa: E402
 
 from benchmarks.train_step import (ORTEngine, TorchEngine, add_seed_step_arguments, environment,  # noqa: E402
                                    make_batches)
+from examples._report import write_json  # noqa: E402
 from ort_trainer._runtime import product_speed  # noqa: E402
 
 
@@ -143,9 +143,7 @@ def main(argv=None):
     for name in names:
         print(f"{name:15s} {median[name]:10.1f} {minimum[name]:10.1f} {cpu_median[name]:10.1f} "
               f"{result['speedup_over_eager'][name]:8.2f}x")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return result
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from benchmarks.train_step import environment  # noqa: E402
+from examples._report import write_json  # noqa: E402
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 from ort_trainer._runtime import product_speed  # noqa: E402
 from ort_trainer.ortmodule import ORTModule  # noqa: E402
@@ -148,9 +148,7 @@ def main(argv=None):
     for label, point in points.items():
         print(f"{label:16s}" + "".join(f"{point['median_ms'][name]:14.1f}" for name in args.engines)
               + "".join(f"{point['speedup_over_eager'][name]:12.2f}x" for name in args.engines[1:]))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return result
 
 

@@ -33,6 +33,7 @@ import onnxruntime  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.train_step import AnonPeakSampler, _rss_anon_mib  # noqa: E402
+from examples._report import write_json  # noqa: E402
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
 
 CONFIGS = {  # graph_transformer options; "priority_order": none, in the order recomputation brings along
@@ -173,8 +174,7 @@ def main():
     result = {"model": args.model, "threads": args.threads, "torch": torch.__version__,
               "memory": measure_memory(args, configs), "time": measure_time(args, configs)}
     print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from examples._report import write_json  # noqa: E402
 
 
 class Tagger(torch.nn.Module):
@@ -104,9 +105,8 @@ def main():
     for name, value in median.items():
         print(f"{name:10s} {value:8.1f} ms/step" + (f"  {value / median['eager']:5.2f}x eager's time"
                                                     if "eager" in median else ""))
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "median_ms": median,
-                                         "per_round_ms": per_round}, indent=2))
+    write_json(args.json, {"args": vars(args) | {"json": str(args.json)}, "median_ms": median,
+                           "per_round_ms": per_round})
 
 
 if __name__ == "__main__":

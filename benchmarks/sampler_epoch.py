@@ -24,7 +24,6 @@ step, summed over the steps (the work that sets the pace).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -45,6 +44,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler  # noqa: E402
 
+from examples._report import write_json  # noqa: E402
 from ort_trainer.data import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler  # noqa: E402
 
 WORLD_SIZE = 2
@@ -216,7 +216,7 @@ def main(argv=None):
     if args.json:
         meta = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                 "args": {key: str(value) for key, value in vars(args).items()}}
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        write_json(args.json, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from examples._report import write_json  # noqa: E402
 from examples.wikitext2.model import TransformerModel  # noqa: E402
 from examples.wikitext2.train import make_loss_fn  # noqa: E402
 
@@ -383,9 +384,7 @@ def main(argv=None):
     if args.measure_memory:
         result["memory"] = measure_memory(args, argv)
     print_table(result)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return result
 
 

@@ -1,10 +1,12 @@
-"""What the examples record besides their log lines: the per-step losses and times of one or both
-engines (CSV), the picture of both engines' loss curves (``--compare``, matplotlib), and one MLflow
-run per engine in a local store (``--mlflow``). matplotlib and MLflow are imported only when asked for."""
+"""What the examples record besides their log lines: their metrics (JSON, also the benchmarks' --json),
+the per-step losses and times of one or both engines (CSV), the picture of both engines' loss curves
+(``--compare``, matplotlib), and one MLflow run per engine in a local store (``--mlflow``). matplotlib
+and MLflow are imported only when asked for."""
 from __future__ import annotations
 
 import csv
 import importlib
+import json
 import math
 import os
 import statistics
@@ -26,6 +28,15 @@ def write_steps_csv(path, runs, unit):
         for engine, steps in runs.items():
             writer.writerows([engine, step, loss, ms]
                              for step, (loss, ms) in enumerate(zip(steps["loss"], steps["ms"]), start=1))
+
+
+def write_json(path, data):
+    """``data`` as indented JSON in ``path`` (its folder made first); nothing when ``path`` is None or ''.
+    The examples' --json and metrics.json, and the benchmarks' --json."""
+    if path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def add_report_options(parser, engines, unit, summary):

@@ -1,6 +1,7 @@
 """What the READMEs promise is what a reader gets: the first snippet runs as written, and every error
 message they quote (`"..."` in backticks) is the message the code raises today."""
 import contextlib
+import importlib
 import io
 import re
 import sys
@@ -96,3 +97,81 @@ def test_the_test_command_says_how_long_and_gives_a_quick_first_check():
     for test in QUICK:
         path, name = test.split("::")
         assert re.search(rf"^def {name}\(", (ROOT / path).read_text(encoding="utf-8"), re.M), test
+
+
+# ---------------------------------------------------------------- DESIGN.md's module table and module paths
+
+DESIGN = ROOT / "DESIGN.md"
+PACKAGE = ROOT / "ort_trainer"
+
+
+def _module_rows():
+    """The files and folders (relative to ort_trainer/) each row of DESIGN.md's module table names; a
+    bare name after a path is in that path's folder (`_optimizers/cuda_steps.py`, `cuda_launch.py`)."""
+    table = DESIGN.read_text(encoding="utf-8").split("## Modules (one concern each)\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder, names = "", []
+        for name in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            if "/" in name.rstrip("/"):
+                folder = name.rsplit("/", 1)[0] + "/"
+            names.append(name if "/" in name.rstrip("/") else folder + name)
+        rows.append(names)
+    return rows
+
+
+def test_every_module_has_a_row_and_every_row_names_a_module():
+    named = [name for row in _module_rows() for name in row]
+    assert [name for name in named if not (PACKAGE / name).exists()] == []
+    modules = sorted(path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py"))
+    covered = set(named) | {module for module in modules for name in named if name.endswith("/")
+                            and module.startswith(name)}
+    empty_packages = {module for module in modules if module.endswith("__init__.py")
+                      and not (PACKAGE / module).read_text(encoding="utf-8").strip()}  # a stage: its row is in Stages
+    assert [module for module in modules if module not in covered | empty_packages] == []
+
+
+def test_the_module_rows_run_in_stage_order():
+    from tests.test_layering import STAGES
+
+    order = [(row[0], STAGES[stage]) for row in _module_rows()
+             if (stage := row[0].split("/")[0].removesuffix(".py")).startswith("_") and not stage.startswith("__")]
+    misplaced = [f"{name} after {previous}" for (previous, before), (name, stage) in zip(order, order[1:])
+                 if stage < before]
+    assert misplaced == []
+
+
+def _design_references():
+    """Module paths DESIGN.md names in backticks: files (`_export/trace.py`, `kernels/amp.cu`) and dotted
+    or slashed names under a private stage (`_graph.recompute`, `_export/trace.export_training_model`,
+    `ort_trainer._configuration.model_desc.parse_model_desc`)."""
+    spans = re.findall(r"`([^`\n]+)`", DESIGN.read_text(encoding="utf-8"))
+    files = {path for span in spans for path in re.findall(r"(?<![\w./*<{-])((?:[\w-]+/)+[\w-]+\.(?:py|cu|yaml|md))\b",
+                                                             span)}
+    stages = {path.stem for path in PACKAGE.iterdir() if path.name.startswith("_") and not path.name.startswith("__")}
+    dotted = {match.group(0) for span in spans
+              for match in re.finditer(r"(?<![\w./])(ort_trainer\.)?(_[a-z]\w*)(?:[./][A-Za-z_]\w*)+", span)
+              if (match.group(1) or match.group(2) in stages) and not match.group(0).endswith(".py")}
+    return sorted(files), sorted(dotted)
+
+
+def _resolves(dotted):
+    parts = dotted.removeprefix("ort_trainer.").replace("/", ".").split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(["ort_trainer", *parts[:end]]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[end:]:
+            found = getattr(found, attribute, None)
+        return found is not None
+    return False
+
+
+def test_every_module_path_the_design_names_exists():
+    files, dotted = _design_references()
+    assert len(files) > 50 and len(dotted) > 20  # the patterns still find DESIGN.md's references
+    assert [path for path in files if not (ROOT / path).exists() and not (PACKAGE / path).exists()] == []
+    assert [name for name in dotted if not _resolves(name)] == []

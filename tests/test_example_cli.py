@@ -162,6 +162,15 @@ def test_a_missing_report_package_is_named_before_training(name, module, flag, m
         EXAMPLES[name].parse_args([*data, *flag])
 
 
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_ort_engine_without_a_working_ort_trainer_says_how_to_install_it(name, monkeypatch):
+    for loaded in {"ort_trainer", *(loaded for loaded in sys.modules if loaded.split(".")[0] == "ort_trainer")}:
+        monkeypatch.setitem(sys.modules, loaded, None)   # `import ort_trainer` now raises ImportError
+    with pytest.raises(SystemExit, match=re.escape("error: --engine ort needs a working ort_trainer (pip install -e "
+                                                   "'.[cpu]' from the repository root): import of ort_trainer halted")):
+        EXAMPLES[name].ORTEngine(None, None, None)   # the import comes first
+
+
 def _runs(store, experiment):
     from mlflow import MlflowClient
 

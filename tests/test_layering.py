@@ -1,6 +1,7 @@
 """The package's stages, in the order one batch goes through them: a module imports only from its own
 stage and from stages below it (DESIGN.md, "Stages"). An import that runs the wrong way fails here."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,11 @@ def test_no_module_is_longer_than_a_reader_follows_at_once():
     long = {str(path.relative_to(PACKAGE.parent)): lines for path, _, _ in _modules()
             if (lines := len(path.read_text().splitlines())) > 430}
     assert not long
+
+
+def test_graph_nodes_are_replaced_through_set_nodes():
+    """`_onnx.set_nodes` is the one place that empties a graph's node list to refill it."""
+    by_hand = [f"{path.relative_to(PACKAGE.parent)}:{number}" for path, _, _ in _modules() if path.name != "_onnx.py"
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               if re.search(r"\bdel\s+[\w.\[\]]+\.node\[:\]", line)]
+    assert not by_hand, f"use _onnx.set_nodes instead of del <graph>.node[:] + extend: {by_hand}"

@@ -26,7 +26,7 @@ from ort_trainer._export.symbolics import MARKER_DOMAIN
 from ort_trainer._graph.recompute import Recompute, layer_stack
 from ort_trainer._graph.trainer_graph_builder import symbolic_shapes
 from ort_trainer._runtime.session_config import (cpu_arena_config, provider_options_from, save_graphs,
-                                                 session_options_from)
+                                                 session_options_from, write_graphs)
 
 from . import models
 
@@ -369,6 +369,24 @@ def test_the_optimized_graph_needs_the_sessions_options(tmp_path):
                "training session's session_options and providers")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         save_graphs(_paths(tmp_path, "model_with_training_graph_after_optimization_path"), training=_tiny_model("Neg"))
+
+
+def test_write_graphs_writes_what_onnx_save_writes_and_skips_what_is_not_asked_for(tmp_path):
+    """The one writer of both front ends' debug graphs: ORTModule's files are what onnx.save wrote."""
+    model = _tiny_model("Neg")
+    onnx.save(model, tmp_path / "by_onnx.onnx")
+    write_graphs([("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path / "written.onnx"), model),
+                  ("ORTMODULE_SAVE_ONNX_PATH", None, model), ("x", str(tmp_path / "unasked.onnx"), None),
+                  ("y", str(tmp_path / "computed.onnx"), lambda: b"bytes")])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["by_onnx.onnx", "computed.onnx", "written.onnx"]
+    assert (tmp_path / "written.onnx").read_bytes() == (tmp_path / "by_onnx.onnx").read_bytes()
+    assert (tmp_path / "computed.onnx").read_bytes() == b"bytes"
+    message = (f"ORTMODULE_SAVE_ONNX_PATH: cannot write '{tmp_path}/gone/m.onnx': directory '{tmp_path}/gone' "
+               "does not exist")
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(message)}$"):
+        write_graphs([("y", str(tmp_path / "never.onnx"), model),
+                      ("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path / "gone" / "m.onnx"), model)])
+    assert not (tmp_path / "never.onnx").exists()
 
 
 def _output_names(path):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import random
@@ -43,8 +42,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
-from examples._cli import add_engine_option, add_option, description, progress
-from examples._report import add_report_options, check_report_packages, log_mlflow, plot_losses, write_steps_csv
+from examples._cli import add_engine_option, add_option, description, engine_imports, progress
+from examples._report import (add_report_options, check_report_packages, log_mlflow, plot_losses, write_json,
+                              write_steps_csv)
 from examples.gpt2.data import BlockDataset, DataError, load_blocks, read_lines, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -136,11 +136,8 @@ class ORTEngine:
     name = "ort"
 
     def __init__(self, model, args, total_updates):
-        try:
-            from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
-        except ImportError as exc:
-            raise SystemExit(f"error: --engine ort needs a working ort_trainer "
-                             f"(pip install -e '.[cpu]' from the repository root): {exc}") from exc
+        ORTTrainer, ORTTrainerOptions, optim = engine_imports("ort", "ort_trainer", "ORTTrainer", "ORTTrainerOptions",
+                                                              "optim")
         self.args = args
         outputs = [("loss", [], True)]
         if args.fetch_logits:
@@ -198,11 +195,7 @@ class HFTrainerEngine:
         self.args, self.plain, self.trainer = args, model, None
         self.wrapped = model
         if self.ort:
-            try:
-                from ort_trainer.ortmodule import ORTModule
-            except ImportError as exc:
-                raise SystemExit(f"error: --engine {self.name} needs a working ort_trainer "
-                                 f"(pip install -e '.[cpu]' from the repository root): {exc}") from exc
+            ORTModule, = engine_imports(self.name, "ort_trainer.ortmodule", "ORTModule")
             self.wrapped = ORTModule(model)
         # Trainer needs an output folder even when it writes nothing there (save_strategy="no").
         self._scratch = None if args.output_dir else tempfile.TemporaryDirectory(prefix="gpt2-trainer-")
@@ -674,7 +667,7 @@ def run(args):
         "train_time_s": train_time, "eval": result, **history, "wall_time_s": time.perf_counter() - wall_start,
     }
     if args.output_dir:
-        (args.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        write_json(args.output_dir / "metrics.json", metrics)
     if args.mlflow:
         steps = {"loss": history["update_losses"], "ms": [1000 * s for s in seconds]}
         log_mlflow("examples.gpt2", args.engine, vars(args), steps, "update",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -29,8 +28,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from examples._cli import add_engine_option, add_option, canonical_engine, description, progress
-from examples._report import add_report_options, check_report_packages, log_mlflow, plot_losses, write_steps_csv
+from examples._cli import add_engine_option, add_option, canonical_engine, description, engine_imports, progress
+from examples._report import (add_report_options, check_report_packages, log_mlflow, plot_losses, write_json,
+                              write_steps_csv)
 from examples.wikitext2.data import (DEFAULT_CACHE_DIR, DataError, batchify, download_wikitext2,
                                      get_batch, load_corpus)
 from examples.wikitext2.model import TransformerModel
@@ -93,11 +93,8 @@ class ORTEngine:
     name = "ort"
 
     def __init__(self, model, loss_fn, args):
-        try:
-            from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
-        except ImportError as exc:
-            raise SystemExit(f"error: --engine ort needs a working ort_trainer "
-                             f"(pip install -e '.[cpu]' from the repository root): {exc}") from exc
+        ORTTrainer, ORTTrainerOptions, optim = engine_imports("ort", "ort_trainer", "ORTTrainer", "ORTTrainerOptions",
+                                                              "optim")
         ntokens = model.decoder.out_features
         model_desc = {'inputs': [('src', ['bptt', 'batch_size']), ('label', ['bptt_x_batch_size'])],
                       'outputs': [('loss', [], True), ('output', ['bptt', 'batch_size', ntokens])]}
@@ -282,12 +279,6 @@ def main(argv=None):
     print(f"| loss curves: {args.compare}, {args.compare.with_suffix('.csv')} |")
     write_json(args.json, results)
     return results
-
-
-def write_json(path, metrics):
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(metrics, indent=2) + "\n")
 
 
 def run(args):

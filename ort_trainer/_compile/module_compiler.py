@@ -40,6 +40,7 @@ from .._graph.trainer_graph_builder import draws_random_numbers
 from .._onnx import largest_tensors
 from .._runtime.memory_stats import peak_above_start
 from .._runtime.module_runner import ModuleRunner
+from .._runtime.session_config import write_graphs
 
 LOGGER = logging.getLogger("ort_trainer.ortmodule")
 _LARGEST = 5  # tensors named by the memory stats
@@ -318,6 +319,5 @@ def _path(settings, stage, *, training):
 
 
 def _save(settings, model_proto, stage, *, training):
-    path = _path(settings, stage, training=training)
-    if path is not None:
-        onnx.save(model_proto, path)
+    """Writes a stage's model where DebugOptions(save_onnx=True) asks for it (`write_graphs`)."""
+    write_graphs([("ORTMODULE_SAVE_ONNX_PATH", _path(settings, stage, training=training), model_proto)])

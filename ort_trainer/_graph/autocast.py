@@ -25,6 +25,7 @@ is refused (`unsupported`): torch's bf16 products are slower than fp32 there.
 import onnx
 import torch
 
+from .._onnx import set_nodes
 from .bf16_products import products_as_torch_nodes
 
 LOWER_PRECISION_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul")
@@ -69,8 +70,7 @@ def lower_precision(model, dtype, *, device_type, differentiable=()):
         nodes += _casts(node.output[0], output, dtype, back=True) if emulated else \
             [onnx.helper.make_node("Cast", [node.output[0]], [output], to=_FLOAT, name=f"{output}_to_float")]
         rewritten += 1
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
     return rewritten
 
 

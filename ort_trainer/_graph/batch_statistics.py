@@ -22,7 +22,7 @@ import torch
 
 from .._export.running_statistics import RUNNING_BUFFERS, tracked_batch_norms, update_running_statistics
 from .._export.trace import graph_name
-from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset
+from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset, set_nodes
 from .normalization import channel_affine, element_type, normalized_nodes
 
 
@@ -82,8 +82,7 @@ class BatchStatistics:
             self.modules.append(module)
             self.outputs += [p + "batch_mean", p + "batch_variance"]
             unread.update((mean, variance))
-        del onnx_model.graph.node[:]
-        onnx_model.graph.node.extend(nodes)
+        set_nodes(onnx_model.graph, nodes)
         unread -= {name for node in nodes for name in node.input}
         _remove(onnx_model.graph.input, unread)
         _remove(onnx_model.graph.initializer, unread)

@@ -15,7 +15,7 @@ import re
 
 import onnx
 
-from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset, torch_node
+from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset, set_nodes, torch_node
 from .._torch_node_catalogue import FUNCTION, GELU_GRAD  # GELU_GRAD: torch's gelu_backward
 from .cpu_products import matrix_products_in_torch
 from .torch_node_shapes import set_value_info
@@ -139,8 +139,7 @@ def fast_softmax_cross_entropy(model):
             nodes.append(node)
             continue
         replaced += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
+    set_nodes(graph, nodes)
     return replaced
 
 
@@ -224,8 +223,7 @@ def fast_gather_grad(model):
                   make("Unsqueeze", [p + "indices64", p + "last_axis"], [p + "nd_indices"]),
                   make("GatherNDGrad", [shape, p + "nd_indices", grad], list(node.output), domain="com.microsoft")]
         replaced += 1
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
     return replaced
 
 
@@ -299,8 +297,7 @@ def fast_gelu_grad(model):
                   make("Mul", [p + "twice_derivative", p + "half"], [p + "derivative"]),
                   make("Mul", [dy, p + "derivative"], list(node.output))]
         replaced += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
+    set_nodes(graph, nodes)
     return replaced
 
 

@@ -130,8 +130,7 @@ def expand_broadcast_inputs(model, trainable):
             node.input[index] = data
             expanded += 1
         nodes.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
     return expanded
 
 
@@ -176,8 +175,7 @@ def padding_rows_without_gradient(model, trainable):
                   make("Equal", [p + "indices64", p + "padding_idx"], [p + "is_padding"]),
                   make("Unsqueeze", [p + "is_padding", p + "last_axis"], [p + "is_padding_row"]),
                   make("Where", [p + "is_padding_row", p + "rows_without_gradient", rows], list(node.output))]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
     imports = [o for o in model.opset_import if o.domain != MARKER_DOMAIN]
     del model.opset_import[:]
     model.opset_import.extend(imports)
@@ -274,8 +272,7 @@ def scalar_square_roots_as_vectors(model):
                   onnx.helper.make_node("Reshape", [node.input[0], f"{vector}_shape"], [vector], name=vector),
                   onnx.helper.make_node("Sqrt", [vector], [root], name=node.name),
                   onnx.helper.make_node("Reshape", [root, f"{vector}_scalar"], [node.output[0]], name=root)]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
 
 
 def reductions_keeping_dims(model):
@@ -300,8 +297,7 @@ def reductions_keeping_dims(model):
         squeezed = node.output[0]
         node.output[0] = kept
         nodes += [node, onnx.helper.make_node("Squeeze", squeeze_inputs, [squeezed], name=f"{kept}_squeeze")]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
 
 
 def concat_inputs_read_once(model):
@@ -320,5 +316,4 @@ def concat_inputs_read_once(model):
                     node.input[k] = copy
                 seen.add(name)
         nodes.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)

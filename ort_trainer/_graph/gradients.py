@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnxruntime.capi import _pybind_state as C
 
-from .._onnx import constant_values, float_constant, int64_constant
+from .._onnx import constant_values, float_constant, int64_constant, set_nodes
 from .autocast import element_types
 
 
@@ -75,8 +75,7 @@ def cumsum_as_inclusive(model):
                                                [before] if flags.get("exclusive") else [before, x], [y]))
         else:
             nodes.append(onnx.helper.make_node("Sub", [inclusive, x], [y]))
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
 
 
 def extrema_differentiable(model):
@@ -110,8 +109,7 @@ def extrema_differentiable(model):
             nodes += _reduce_sum(f"{name}__{part}", f"{name}__{part}_sum", opset=opset, keepdims=keepdims, axes=axes,
                                  axes_input=axes_input)
         nodes.append(onnx.helper.make_node("Div", [f"{name}__kept_sum", f"{name}__each_sum"], [node.output[0]]))
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
 
 
 def flips_as_gathers(model):
@@ -141,8 +139,7 @@ def flips_as_gathers(model):
                       onnx.helper.make_node("Gather", [flipped, f"{name}_indices"], [name], axis=axis)]
             flipped = name
         nodes.append(onnx.helper.make_node("Identity", [flipped], [node.output[0]]))
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
 
 
 def _reverses(starts, ends, axes, steps):

@@ -4,7 +4,7 @@ inference-mode and the training-mode BatchNormalization rewrites."""
 import numpy as np
 import onnx
 
-from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset
+from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset, set_nodes
 
 
 def _reduce_mean(name, data, axes, opset):
@@ -81,8 +81,7 @@ def decompose_instance_normalization(model):
         nodes += [*normalized_nodes(p, node, [2], element_type(tensors, x), opset),
                   *channel_affine(p, p + "normalized", scale, bias, x, node.output[0])]
         rewritten += 1
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
     return rewritten
 
 
@@ -113,6 +112,5 @@ def inference_batch_norm_as_primitives(model):
                   *grouped(p, x),
                   *channel_affine(p, p + "grouped", p + "a", p + "b", x, node.output[0])]
         replaced += 1
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model.graph, nodes)
     return replaced

@@ -28,7 +28,7 @@ import torch
 
 from .._configuration.options import recomputes
 from .._export.checkpointing import segment_of
-from .._onnx import constant_values, torch_node_operator, torch_node_params_of
+from .._onnx import constant_values, set_nodes, torch_node_operator, torch_node_params_of
 from .._torch_node_catalogue import draws_random_numbers
 from .missing_gradient import torch_module
 
@@ -214,8 +214,7 @@ class Recompute:
             ordered.extend(moves.get(index, ()))
             if id(node) not in moved:
                 ordered.append(node)
-        del training.graph.node[:]
-        training.graph.node.extend(ordered)
+        set_nodes(training.graph, ordered)
         if moves and not any(o.domain == _MS_DOMAIN for o in training.opset_import):
             training.opset_import.append(onnx.helper.make_opsetid(_MS_DOMAIN, 1))
 
@@ -308,8 +307,7 @@ def recompute_in_backward(training, forward, group_of):
             followers[reads[0]].append(node)
             followed.update((output, reads[0]) for output in node.output)
     moved = {node.name for group in followers for node in group}
-    del training.graph.node[:]
-    training.graph.node.extend(node for node in nodes if node.name not in moved)
+    set_nodes(training.graph, [node for node in nodes if node.name not in moved])
     for group, follow in zip(copies, followers):  # in order: the copies, then what reads them
         training.graph.node.extend([*group, *follow])
     for info in list(training.graph.value_info):  # torch nodes' copies get no inferred type
@@ -386,8 +384,7 @@ def _drop_unread(model, names):
                 if node.name not in names or any(output in read for output in node.output if output)]
         if len(kept) == len(model.graph.node):
             return
-        del model.graph.node[:]
-        model.graph.node.extend(kept)
+        set_nodes(model.graph, kept)
 
 
 def _delayed(members, outputs, gradient):

@@ -1,5 +1,6 @@
 """ONNX Runtime settings the user gives (`RuntimeSettings`): the session options, the execution
-providers' options, the shared arenas' limits; and the graphs ``debug.graph_save_paths`` writes.
+providers' options, the shared arenas' limits; and the debug graphs (ORTTrainer's
+``debug.graph_save_paths``, ORTModule's ``DebugOptions(save_onnx=True)``).
 
 Our own settings (threads, spinning, opting in to the shared arena) are `Sessions`'; the functions
 here layer the user's over them.
@@ -191,22 +192,37 @@ def save_graphs(paths, *, exported=None, training=None, evaluation=None, session
         ValueError: the optimized graph is asked for without ``session_options`` and ``providers``.
     """
     graphs = {"exported": exported, "training": training, "evaluation": evaluation}
-    targets = [(field, getattr(paths, field), graphs[graph]) for field, graph in _SAVED_GRAPHS.items()
-               if getattr(paths, field) and graphs[graph] is not None]
+    targets = [(f"debug.graph_save_paths.{field}", getattr(paths, field), graphs[graph])
+               for field, graph in _SAVED_GRAPHS.items()]
     optimized_path = getattr(paths, _OPTIMIZED_PATH)
     if optimized_path and training is not None:
         if session_options is None or providers is None:
             raise ValueError(f"save_graphs: debug.graph_save_paths.{_OPTIMIZED_PATH} needs the training session's "
                              "session_options and providers")
-        targets.append((_OPTIMIZED_PATH, optimized_path, None))
-    for field, path, _ in targets:
+        targets.append((f"debug.graph_save_paths.{_OPTIMIZED_PATH}", optimized_path,
+                        lambda: _optimized(_serialized(training), session_options, providers)))
+    write_graphs(targets)
+
+
+def write_graphs(targets):
+    """Writes debug graphs, each atomically: the one writer of ORTTrainer's ``debug.graph_save_paths``
+    (`save_graphs`) and ORTModule's ``DebugOptions(save_onnx=True)``.
+
+    ``targets``: ``(setting, path, graph)`` triples; ``setting`` names the option that asked for the
+    file, ``graph`` is bytes, an ``onnx.ModelProto`` or a function returning bytes (called once every
+    directory has been checked). A target whose path is '' or None, or whose graph is None, is not
+    written. Every target directory is checked before anything is written.
+
+    Raises:
+        FileNotFoundError: a target directory does not exist (the message names the setting).
+    """
+    targets = [(setting, path, graph) for setting, path, graph in targets if path and graph is not None]
+    for setting, path, _ in targets:
         directory = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(directory):
-            raise FileNotFoundError(f"debug.graph_save_paths.{field}: cannot write {path!r}: directory "
-                                    f"{directory!r} does not exist")
-    for field, path, graph in targets:
-        data = _optimized(_serialized(training), session_options, providers) if field == _OPTIMIZED_PATH \
-            else _serialized(graph)
+            raise FileNotFoundError(f"{setting}: cannot write {path!r}: directory {directory!r} does not exist")
+    for _, path, graph in targets:
+        data = graph() if callable(graph) else _serialized(graph)
         atomic_write(path, lambda file, data=data: file.write(data))
 
 
