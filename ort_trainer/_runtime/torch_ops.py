@@ -65,7 +65,7 @@ def _thread_list(name):
     if not hasattr(_recorded, name):
         setattr(_recorded, name, [])
     return getattr(_recorded, name)
-_registered = []  # the callbacks, kept alive for the life of the process
+_registered: list = []  # the callbacks, kept alive for the life of the process
 
 
 def _interpolate_grad(inputs, params):
