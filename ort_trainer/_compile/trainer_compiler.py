@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
-import numpy as np
 import onnx
 import torch
 
@@ -18,7 +17,7 @@ from .._export.trace import graph_name
 from .._graph.batch_statistics import BatchStatistics, running_statistics
 from .._graph.recompute import has_copies
 from .._graph.trainer_graph_builder import LOSS_SCALE_INPUT, build_graphs, draws_random_numbers
-from .._runtime.trainer_sessions import CompiledGraph, WeightBindings
+from .._runtime.trainer_sessions import Array, CompiledGraph, WeightBindings
 from .._runtime.session_config import save_graphs
 from .disk_cache import DiskCache, machine
 from .exports import eval_graph_differs
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 
 Values = dict[str, torch.Tensor | None]  # {input name: tensor}; None: an optional input left out
 # what `build` binds: the flat buffers, the frozen weights ({graph name: tensor}), the loss scale
-_Weights: TypeAlias = "tuple[FlatParameters, dict[str, torch.Tensor], np.ndarray | None]"
+_Weights: TypeAlias = "tuple[FlatParameters, dict[str, torch.Tensor], Array | None]"
 _SYNC_BATCH_NORM_REMEDY = ("convert them to BatchNorm: each rank then normalizes with the statistics of its own "
                            "batch, as DistributedDataParallel with nn.BatchNorm*d does; or put them in eval mode")
 
@@ -146,7 +145,7 @@ class StepCompiler:
         return Export(model, unproven, model_state, names, disk_key=key)
 
     def build(self, export: Export, values: Values, outputs: Sequence[str], *, flat: FlatParameters,
-              frozen: dict[str, torch.Tensor], loss_scale: np.ndarray | None = None) -> CompiledGraph:
+              frozen: dict[str, torch.Tensor], loss_scale: Array | None = None) -> CompiledGraph:
         """The CompiledGraph of an export (consumed) on the flat buffers `flat`, reading `frozen`
         ({graph name: tensor}) as it is and `loss_scale` (an array) as the loss-scale input.
 
