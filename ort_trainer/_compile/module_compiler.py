@@ -271,7 +271,7 @@ class ModuleGraph:
         with self._memory_measured("forward"):
             return self._runner.infer(feeds)
 
-    def zero_gradient(self, index: int, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def zero_gradient(self, index: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The gradient of output `index` when the loss did not use it: zeros of its shape where
         ONNX Runtime needs the full shape, else a scalar zero; made once and read by every backward
         (ONNX Runtime does not write its inputs): a language model's unused logits no longer cost a
