@@ -51,7 +51,7 @@ def exports(monkeypatch):
             return original(*args, **kwargs)
         return trace
 
-    monkeypatch.setattr(module_graph, "export_training_model", counted(module_compiler.export_training_model))
+    monkeypatch.setattr(module_compiler, "export_training_model", counted(module_compiler.export_training_model))
     monkeypatch.setattr(trainer_exports, "export_training_model", counted(trainer_exports.export_training_model))
     return count
 

@@ -163,7 +163,7 @@ class StepCompiler:
             built = self._build(export.model, values, outputs, export.model_state, weights)
         if built is None:
             self._exports.reject(values, export.model_state)
-            traced = self._exports.get(values, export.model_state)[0]
+            traced = self._exports.get(values, export.model_state).model
             built = self._build(traced, values, outputs, export.model_state, weights)
         parts, graph = built
         if self._settings.check_model_export:
