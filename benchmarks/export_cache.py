@@ -53,7 +53,7 @@ def child(args):
     from ort_trainer._compile import exports, module_compiler
 
     traces = []
-    for module in (exports, module_graph):
+    for module in (exports, module_compiler):
         original = module.export_training_model
         module.export_training_model = lambda *a, _original=original, **k: traces.append(1) or _original(*a, **k)
     engine, directory = args.child
