@@ -31,7 +31,9 @@ setup(
         ],
         # transformers 4.57.1 accepts torch 2.13.0 as installed (no newer torch pulled in).
         # accelerate: transformers.Trainer's PyTorch backend (examples/gpt2 --engine hf-trainer).
-        "test": ["pytest", "tqdm", "transformers==4.57.1", "accelerate==1.11.0", "h5py", "peft==0.17.1"],
+        # mypy: the type check of the stage boundaries (mypy.ini), as .ci/run runs it.
+        "test": ["pytest", "tqdm", "transformers==4.57.1", "accelerate==1.11.0", "h5py", "peft==0.17.1",
+                 "mypy==1.18.2"],
         # Resuming from the original ORTTrainer's HDF5 checkpoints.
         "legacy": ["h5py"],
         # matplotlib: --compare's picture; mlflow-skinny: --mlflow (logging to a local store, no server).

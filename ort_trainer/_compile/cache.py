@@ -1,5 +1,23 @@
 """The compiled graphs a front end keeps: one per input signature, a bounded LRU cache."""
 from collections import OrderedDict
+from typing import NamedTuple
+
+from .._export.guards import TracedState
+
+
+class ModuleSignature(NamedTuple):
+    """What one ORTModule graph serves (its key in the GraphCache): the call's inputs (name, shape,
+    dtype, device, requires_grad), its positional names, constants and structures, the model's
+    tensors (as the inputs), the model's state, the autocast state, whether it needs gradients."""
+
+    inputs: tuple
+    positional: tuple
+    constants: tuple
+    structures: tuple
+    model: tuple
+    state: TracedState
+    autocast: tuple
+    needs_grad: bool
 
 
 class GraphCache:

@@ -4,6 +4,7 @@ import torch
 
 from .._configuration.refusals import ONNX_RUNTIME_ERRORS
 from .._export.binding import present_inputs, training_flags_kept
+from .._export.onnx_model import Traced
 from .._export.probe import check_traceable
 from .._export.trace import GRAPH_PREFIX, ExportError, TracedStep, export_training_model, graph_name, with_input_shapes
 from .._onnx import parameters_as_inputs, rename_initializers
@@ -72,8 +73,8 @@ class TrainingExports:
         """`check_traceable` on these inputs, before `get`."""
         check_traceable(self._model, self._loss_fn, self._binding, desc, values)
 
-    def get(self, values, state):
-        """(ONNX model for these inputs, whether it must be proven against torch before use)."""
+    def get(self, values, state) -> Traced:
+        """The ONNX model for these inputs, and whether it must be proven against torch before use."""
         key = _kind(values, state)
         if key not in self._templates:
             try:
@@ -83,11 +84,11 @@ class TrainingExports:
             else:
                 parameters_as_inputs(template, self._parameters)
                 self._templates[key] = template
-                return with_input_shapes(template, values), False  # traced at these very shapes
+                return Traced(with_input_shapes(template, values), unproven=False)  # traced at these very shapes
         template = self._templates[key]
         if template is None:
-            return self._export(values, None), False
-        return with_input_shapes(template, values), True
+            return Traced(self._export(values, None), unproven=False)
+        return Traced(with_input_shapes(template, values), unproven=True)
 
     def with_weights(self, values):
         """The forward + loss model as traced for training, model_desc's named dims symbolic where

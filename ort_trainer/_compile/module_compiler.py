@@ -8,13 +8,17 @@ ONNX Runtime's ORTModule graph builder, the device's kernel substitutions, then 
 Parameters and buffers are graph inputs read from the model's own tensors on every call (DLPack,
 no copy); gradients come back as new tensors, for autograd to accumulate into `.grad`.
 """
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import enum
 import logging
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -39,8 +43,13 @@ from .._graph.torch_node_shapes import declare_torch_node_outputs
 from .._graph.trainer_graph_builder import draws_random_numbers
 from .._onnx import largest_tensors
 from .._runtime.memory_stats import peak_above_start
-from .._runtime.module_runner import ModuleRunner
+from .._runtime.module_runner import ForwardState, ModuleRunner
 from .._runtime.session_config import write_graphs
+
+if TYPE_CHECKING:
+    from .._configuration.ortmodule_settings import Settings
+    from .._export.binding import InputBinding
+    from .._runtime.sessions import Sessions
 
 LOGGER = logging.getLogger("ort_trainer.ortmodule")
 _LARGEST = 5  # tensors named by the memory stats
@@ -62,23 +71,23 @@ class GraphParts:
 
     model: onnx.ModelProto
     trains: bool
-    schema: object  # `_export.outputs.OutputSchema`
-    density_inputs: dict
+    schema: OutputSchema
+    density_inputs: dict[str, tuple]
     statistics: tuple  # `BatchStatistics` (modules, outputs)
-    non_differentiable: list
-    full_shape_grads: set
-    reaching: list  # a training graph's: per gradient, the indices of the outputs it is computed from
-    read_by_backward: list
+    non_differentiable: list[str]
+    full_shape_grads: set[int]
+    reaching: list[set[int]] | None  # a training graph's: per gradient, the outputs (indices) it is computed from
+    read_by_backward: list[int] | None
     recomputed: int
-    sources: list  # (Source, key) per graph input
-    gradient_slots: list
-    fetched: list  # what the runner fetches: the gradients, or the forward's outputs
-    sparse_embeddings: list  # `_graph.embedding_sparsity.Outcome` per embedding with a padding_idx
+    sources: list[tuple[Source, str]]  # (Source, key) per graph input
+    gradient_slots: list[int | None]
+    fetched: list[str]  # what the runner fetches: the gradients, or the forward's outputs
+    sparse_embeddings: list[Outcome]  # per embedding with a padding_idx
     forward_outputs: int  # the forward's outputs (then the weights it passes through the YieldOp)
-    read_again: list  # the feeds the backward takes again (indices)
-    read_in_place: list  # the feeds whose memory must not move before the backward (indices)
+    read_again: list[int]  # the feeds the backward takes again (indices)
+    read_in_place: list[int]  # the feeds whose memory must not move before the backward (indices)
 
-    def encoded(self):
+    def encoded(self) -> tuple[dict, dict[str, bytes]]:
         """(JSON-able meta, {name: bytes}); `_export.fingerprint.NotPortable` where the schema holds
         values JSON cannot say."""
         meta = {"trains": self.trains, "schema": self.schema.encoded(), "density_inputs": self.density_inputs,
@@ -93,7 +102,7 @@ class GraphParts:
         return meta, {"graph": self.model.SerializeToString()}
 
     @classmethod
-    def decoded(cls, meta, blobs):
+    def decoded(cls, meta: dict, blobs: dict[str, bytes]) -> GraphParts:
         """The parts `encoded` gave (ValueError, KeyError, TypeError where they are not)."""
         reaching = meta["reaching"]
         return cls(model=onnx.load_from_string(blobs["graph"]), trains=bool(meta["trains"]),
@@ -110,7 +119,9 @@ class GraphParts:
                    read_in_place=list(meta["read_in_place"]))
 
 
-def compile_parts(model, binding, values, schema, sessions, settings, needs_grad, *, compute_dtype=None):
+def compile_parts(model: torch.nn.Module, binding: InputBinding, values: dict[str, torch.Tensor], schema: OutputSchema,
+                  sessions: Sessions, settings: Settings, needs_grad: bool, *,
+                  compute_dtype: str | None = None) -> GraphParts:
     """The GraphParts of one signature: export, rewrites, ORT's builder, kernel substitutions.
     `schema`: the OutputSchema of forward()'s result; `needs_grad`: a graph with a backward;
     `sessions`: the placement's `Sessions`; `compute_dtype`: 'float16' or 'bfloat16' for a call under
@@ -171,7 +182,8 @@ def compile_parts(model, binding, values, schema, sessions, settings, needs_grad
     full_shape_grads = gradients_in_full_shape(model_proto)  # after the substitutions, which free some
     graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
     reaching = read_by_backward = None
-    read_again, in_place = [], weights + aliases  # weights given to the backward again; weights read in place
+    read_again: list[str] = []  # weights given to the backward again
+    in_place = weights + aliases  # weights read in place
     if needs_grad:
         reaching = outputs_reaching(model_proto, graph_outputs, outputs)
         read_by_backward = outputs_read_by_backward(model_proto, outputs)
@@ -201,18 +213,20 @@ class ModuleGraph:
     the `GraphParts` of a compile (`compile_parts`) or of the cache on disk, and its runner.
     `sessions`: the placement's `Sessions`; `settings`: the ORTModule's settings."""
 
-    def __init__(self, model, parts, sessions, settings):
+    def __init__(self, model: torch.nn.Module, parts: GraphParts, sessions: Sessions, settings: Settings) -> None:
         self.parts = parts if settings.cache_directory is not None else None  # to be stored on disk
         self.schema, self.trains = parts.schema, parts.trains
         self.density_inputs, self.sparse_embeddings = parts.density_inputs, parts.sparse_embeddings
         self.batch_statistics = BatchStatistics.restored(model, *parts.statistics)
         self.non_differentiable, self.full_shape_grads = parts.non_differentiable, parts.full_shape_grads
-        self._reaching, self.read_by_backward = parts.reaching, parts.read_by_backward
+        self._reaching = parts.reaching or []  # a training graph's (the one with a backward)
+        self.read_by_backward = parts.read_by_backward
         model_proto = parts.model
         # ORTMODULE_PRINT_MEMORY_STATS=1: the largest tensors, the first forward's and backward's peaks
         self._memory_stats = largest_tensors(model_proto, _LARGEST) if settings.memory_stats else None
-        self._measured, self._model_name = set(), type(model).__name__
-        self._zero_gradients = {}  # (output, shape, dtype, device) -> zeros (`zero_gradient`)
+        self._measured: set[str] = set()
+        self._model_name = type(model).__name__
+        self._zero_gradients: dict[tuple, torch.Tensor] = {}  # (output, shape, dtype, device) -> zeros
         inputs = [i.name for i in model_proto.graph.input]
         self._runner = ModuleRunner(
             sessions, model_proto.SerializeToString(), inputs, parts.fetched,
@@ -227,7 +241,9 @@ class ModuleGraph:
         self.read_in_place = frozenset(parts.read_in_place)  # looked up per feed in every backward
 
     @classmethod
-    def compiled(cls, model, binding, values, schema, sessions, settings, needs_grad, *, compute_dtype=None):
+    def compiled(cls, model: torch.nn.Module, binding: InputBinding, values: dict[str, torch.Tensor],
+                 schema: OutputSchema, sessions: Sessions, settings: Settings, needs_grad: bool, *,
+                 compute_dtype: str | None = None) -> ModuleGraph:
         """The graph of one signature, compiled (`compile_parts`)."""
         started = time.perf_counter()
         graph = cls(model, compile_parts(model, binding, values, schema, sessions, settings, needs_grad,
@@ -242,21 +258,21 @@ class ModuleGraph:
         return graph
 
     @property
-    def kind(self):
+    def kind(self) -> str:
         return "training" if self.trains else "inference"
 
-    def feeds(self, values, named):
+    def feeds(self, values: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The graph's inputs for one call, in order: `values` {input name: tensor} of the call,
         `named` {torch name: tensor} of the model's parameters and buffers."""
         return [values[key] if source is Source.CALL else named[key] if source is Source.WEIGHT
                 else named[key].detach() for source, key in self._sources]
 
-    def infer(self, feeds):
+    def infer(self, feeds: list[torch.Tensor]) -> list[torch.Tensor]:
         """The forward alone (no gradient): the outputs as tensors."""
         with self._memory_measured("forward"):
             return self._runner.infer(feeds)
 
-    def zero_gradient(self, index, shape, dtype, device):
+    def zero_gradient(self, index: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The gradient of output `index` when the loss did not use it: zeros of its shape where
         ONNX Runtime needs the full shape, else a scalar zero; made once and read by every backward
         (ONNX Runtime does not write its inputs): a language model's unused logits no longer cost a
@@ -266,14 +282,14 @@ class ModuleGraph:
             self._zero_gradients[key] = torch.zeros(key[1], dtype=dtype, device=device)
         return self._zero_gradients[key]
 
-    def run_forward(self, feeds):
+    def run_forward(self, feeds: list[torch.Tensor]) -> tuple[list[torch.Tensor], ForwardState]:
         """(outputs, state): the forward of a training call; `state` keeps what its backward reads."""
         with self._memory_measured("forward"):
             outputs, state = self._runner.run_forward(feeds)
         return outputs[:self._forward_outputs], state  # not the weights passed through the YieldOp
 
     @contextlib.contextmanager
-    def _memory_measured(self, phase):
+    def _memory_measured(self, phase: str) -> Iterator[None]:
         """ORTMODULE_PRINT_MEMORY_STATS=1: the first run of `phase` ('forward', 'backward') of this
         graph measured (the process's peak resident memory above its start) and logged, the
         forward's line with the graph's largest tensors."""
@@ -290,7 +306,8 @@ class ModuleGraph:
                 f"{name} {dims} {kind} {size / 2 ** 20:.1f} MiB" for size, name, dims, kind in self._memory_stats)
         LOGGER.handle(LOGGER.makeRecord(LOGGER.name, logging.INFO, __file__, 0, message, (), None))
 
-    def run_backward(self, state, output_grads, used, feeds):
+    def run_backward(self, state: ForwardState, output_grads: Sequence[torch.Tensor], used: set[int],
+                     feeds: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """The gradients of the forward's inputs that require one, in feed order, from the gradients
         of its outputs (`output_grads`: tensors, in output order; `used`: the indices of the outputs
         that received a gradient, the others' are zeros) and the forward's `feeds` as they are now

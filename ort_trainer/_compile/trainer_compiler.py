@@ -2,9 +2,14 @@
 `CompiledGraph` (training and eval sessions on the flat buffers). The probe and the trace (or a
 graph re-derived from an earlier trace), ORT's gradient builder and the graph fixes, the sessions,
 and the proof of a re-derived graph against torch at its shape."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 import onnx
+import torch
 
 from .._configuration.refusals import ONNX_RUNTIME_ERRORS
 from .._export.running_statistics import sync_batch_norm_refused
@@ -13,11 +18,24 @@ from .._export.trace import graph_name
 from .._graph.batch_statistics import BatchStatistics, running_statistics
 from .._graph.recompute import has_copies
 from .._graph.trainer_graph_builder import LOSS_SCALE_INPUT, build_graphs, draws_random_numbers
-from .._runtime.trainer_sessions import CompiledGraph, WeightBindings
+from .._runtime.trainer_sessions import Array, CompiledGraph, WeightBindings
 from .._runtime.session_config import save_graphs
 from .disk_cache import UNDECODABLE, DiskCache, machine
 from .exports import GraphDiffers, check_eval_graph
 
+if TYPE_CHECKING:
+    from .._configuration.model_desc import ModelDescription
+    from .._export.binding import InputBinding
+    from .._export.guards import ModuleState, TracedState
+    from .._export.onnx_model import OnnxExports
+    from .._graph.recompute import Recompute
+    from .._optimizers.flat import FlatParameters
+    from .._runtime.sessions import Sessions
+    from .exports import TrainingExports
+
+Values = dict[str, torch.Tensor | None]  # {input name: tensor}; None: an optional input left out
+# what `build` binds: the flat buffers, the frozen weights ({graph name: tensor}), the loss scale
+_Weights: TypeAlias = "tuple[FlatParameters, dict[str, torch.Tensor], Array | None]"
 _SYNC_BATCH_NORM_REMEDY = ("convert them to BatchNorm: each rank then normalizes with the statistics of its own "
                            "batch, as DistributedDataParallel with nn.BatchNorm*d does; or put them in eval mode")
 
@@ -33,19 +51,19 @@ class StepSettings:
     opset, frozen_weights: the export's opset and `utils.frozen_weights`; cache_directory:
     `utils.graph_cache_dir` (None: no cache on disk)."""
 
-    recompute: object = None
+    recompute: Recompute | None = None
     shape_inference: bool = False
     graph_save_paths: object = None
     check_model_export: bool = False
     loss_scaling: bool = False
-    compute_dtype: str = None
+    compute_dtype: str | None = None
     label_sparsity: bool = False
     embedding_sparsity: bool = False
     opset: int = 14
-    frozen_weights: tuple = ()
-    cache_directory: str = None
+    frozen_weights: tuple[str, ...] = ()
+    cache_directory: str | None = None
 
-    def changing_the_graph(self):
+    def changing_the_graph(self) -> list:
         """The settings a graph is built from (part of its key in the cache on disk)."""
         recompute = None if self.recompute is None else sorted((k, repr(v)) for k, v in vars(self.recompute).items())
         return [recompute, self.shape_inference, self.loss_scaling, self.compute_dtype, self.label_sparsity,
@@ -59,12 +77,12 @@ class Export:
     the graph may read as a weight (its initializers and inputs). From the cache on disk: no model,
     the built graphs (`cached`). `disk_key`: the graph's key there (None: not cached)."""
 
-    model: onnx.ModelProto
+    model: onnx.ModelProto | None
     unproven: bool
-    model_state: tuple
-    weight_names: frozenset
-    cached: "StepParts" = None
-    disk_key: object = None
+    model_state: TracedState
+    weight_names: frozenset[str]
+    cached: StepParts | None = None
+    disk_key: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -75,16 +93,16 @@ class StepParts:
 
     training: bytes
     evaluation: bytes
-    running: tuple
-    statistics: tuple
+    running: tuple[str, ...]
+    statistics: tuple[tuple[str, ...], ...]  # (modules, outputs)
     priority_order: bool
 
-    def encoded(self):
+    def encoded(self) -> tuple[dict, dict[str, bytes]]:
         return ({"running": list(self.running), "statistics": [list(s) for s in self.statistics],
                  "priority_order": self.priority_order}, {"training": self.training, "evaluation": self.evaluation})
 
     @classmethod
-    def decoded(cls, meta, blobs):
+    def decoded(cls, meta: dict, blobs: dict[str, bytes]) -> StepParts:
         return cls(training=blobs["training"], evaluation=blobs["evaluation"], running=tuple(meta["running"]),
                    statistics=tuple(tuple(s) for s in meta["statistics"]), priority_order=bool(meta["priority_order"]))
 
@@ -94,12 +112,14 @@ class StepCompiler:
     `_export.onnx_model.OnnxExports` for an ONNX model); `state`: the model's `ModuleState`;
     `sessions`: the placement's `Sessions`; `settings`: StepSettings."""
 
-    def __init__(self, model, loss_fn, binding, desc, *, exports, state, sessions, settings):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, binding: InputBinding, desc: ModelDescription,
+                 *, exports: TrainingExports | OnnxExports, state: ModuleState, sessions: Sessions,
+                 settings: StepSettings) -> None:
         self._model, self._loss_fn, self._binding, self._desc = model, loss_fn, binding, desc
         self._exports, self._state, self._sessions, self._settings = exports, state, sessions, settings
         self._disk = None if settings.cache_directory is None else DiskCache(settings.cache_directory)
 
-    def export(self, values, outputs):
+    def export(self, values: Values, outputs: Sequence[str]) -> Export:
         """The probe, then the trace of these inputs (or a graph re-derived from an earlier trace),
         unless the cache on disk holds the graphs of this export (`_compile.disk_cache`; no probe).
         Attributes the probe saw forward() write are left out of the model state from then on."""
@@ -125,7 +145,8 @@ class StepCompiler:
         names = frozenset(i.name for i in (*model.graph.initializer, *model.graph.input))
         return Export(model, unproven, model_state, names, disk_key=key)
 
-    def build(self, export, values, outputs, *, flat, frozen, loss_scale=None):
+    def build(self, export: Export, values: Values, outputs: Sequence[str], *, flat: FlatParameters,
+              frozen: dict[str, torch.Tensor], loss_scale: Array | None = None) -> CompiledGraph:
         """The CompiledGraph of an export (consumed) on the flat buffers `flat`, reading `frozen`
         ({graph name: tensor}) as it is and `loss_scale` (an array) as the loss-scale input.
 
@@ -133,15 +154,17 @@ class StepCompiler:
         or to match is traced again. With debug.check_model_export every graph is proven (one
         from the cache on disk too; otherwise it needs no proof: it is what the same trace gave)."""
         weights = (flat, frozen, loss_scale)
+        built: tuple[StepParts, CompiledGraph] | None
         if export.cached is not None:
             built = export.cached, self._graph_of(export.cached, values, outputs, export.model_state, weights)
         elif export.unproven:
             built = self._proven_or_none(export, values, outputs, weights)
         else:
+            assert export.model is not None  # an export without graphs on disk has its model
             built = self._build(export.model, values, outputs, export.model_state, weights)
         if built is None:
             self._exports.reject(values, export.model_state)
-            traced = self._exports.get(values, export.model_state)[0]
+            traced = self._exports.get(values, export.model_state).model
             built = self._build(traced, values, outputs, export.model_state, weights)
         parts, graph = built
         if self._settings.check_model_export:
@@ -153,20 +176,22 @@ class StepCompiler:
             self._store(export, parts, graph)
         return graph
 
-    def with_weights(self, values):
+    def with_weights(self, values: Values) -> onnx.ModelProto:
         """The forward + loss model with the current weights (the original's `save_as_onnx`)."""
         return self._exports.with_weights(values)
 
-    def check_against_torch(self, graph, values, outputs):
+    def check_against_torch(self, graph: CompiledGraph, values: Values, outputs: Sequence[str]) -> None:
         """Raises GraphDiffers unless the eval graph computes what torch's eval-mode forward does on `values`."""
         check_eval_graph(graph, self._model, self._loss_fn, self._binding, values, self._desc.output_names, outputs,
                          device_type=self._sessions.placement.ort_device, compute_dtype=self._settings.compute_dtype)
 
-    def _proven_or_none(self, export, values, outputs, weights):
+    def _proven_or_none(self, export: Export, values: Values, outputs: Sequence[str],
+                        weights: _Weights) -> tuple[StepParts, CompiledGraph] | None:
         """(parts, graph) re-derived for a new shape, if it builds and its eval graph matches torch's
         forward there; None where it differs or ONNX Runtime (or a graph pass) refuses it at this shape
         (e.g. a size the first trace saw as 1 was specialized): tracing it again decides. Other errors
         (bugs) propagate."""
+        assert export.model is not None  # an export without graphs on disk has its model
         try:
             parts, graph = self._build(export.model, values, outputs, export.model_state, weights)
             self.check_against_torch(graph, values, outputs)
@@ -174,7 +199,8 @@ class StepCompiler:
             return None
         return parts, graph
 
-    def _build(self, exported, values, outputs, model_state, weights):
+    def _build(self, exported: onnx.ModelProto, values: Values, outputs: Sequence[str], model_state: TracedState,
+               weights: _Weights) -> tuple[StepParts, CompiledGraph]:
         """(StepParts, CompiledGraph): training and eval graphs from an export (consumed), on the flat buffers."""
         flat, frozen, _ = weights
         settings, paths = self._settings, self._settings.graph_save_paths
@@ -193,7 +219,8 @@ class StepCompiler:
                           has_copies(onnx.load_from_string(training)))
         return parts, self._graph_of(parts, values, outputs, model_state, weights)
 
-    def _graph_of(self, parts, values, outputs, model_state, weights):
+    def _graph_of(self, parts: StepParts, values: Values, outputs: Sequence[str], model_state: TracedState,
+                  weights: _Weights) -> CompiledGraph:
         """The CompiledGraph of built graphs, on the flat buffers."""
         flat, frozen, loss_scale = weights
         buffers = {graph_name(name): buffer for name, buffer in self._model.named_buffers()}

@@ -20,7 +20,7 @@ ONNX_RUNTIME_ERRORS = (RuntimeError, _ort.Fail, _ort.InvalidArgument, _ort.Inval
 class Refusal(Exception):
     """A failure to compile a graph that is no bug; `fallback`: its FallbackPolicy member."""
 
-    fallback = None
+    fallback: FallbackPolicy | None = None
 
 
 class TorchModelRefused(Refusal, NotImplementedError):

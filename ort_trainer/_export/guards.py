@@ -14,6 +14,7 @@ import contextlib
 import enum
 import os
 import traceback
+from typing import NamedTuple
 
 import torch
 
@@ -26,10 +27,17 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 _MAX_ITEMS = 64  # a longer list or dict is compared by identity
 
 
+class TracedState(NamedTuple):
+    """One `ModuleState.read()`: what a graph traced in this state may be reused for."""
+
+    flags: tuple  # every module's train/eval flag, in `modules()` order
+    attributes: tuple  # the global hooks, then per module its (hooks, plain attributes), frozen
+
+
 class ModuleState:
     """The state of `model` a trace reads, comparable between calls.
 
-    `read()` gives (flags, attributes): every module's train/eval flag; every module's hooks and
+    `read()` gives a TracedState (flags, attributes): every module's train/eval flag; every module's hooks and
     plain attributes, and the attributes of the objects they hold (a Hugging Face config), frozen
     into hashable values, tensors by identity and version (in-place changes count; the model's own
     parameters and buffers by identity alone: the graph reads them on every call). Attributes
@@ -40,7 +48,7 @@ class ModuleState:
         self._model = model
         self._written = set()
 
-    def read(self):
+    def read(self) -> TracedState:
         # the model's parameters and buffers, wherever an attribute holds them too (nn.LSTM's
         # _flat_weights): graph inputs read on every call, so by identity (an optimizer step is
         # an in-place change)
@@ -52,7 +60,7 @@ class ModuleState:
             hooks, plain = module_attributes(module, {name for i, name in self._written if i == index})
             attributes.append((tuple((name, tuple(table)) for name, table in hooks),
                                tuple((name, _frozen(value, objects)) for name, value in plain)))
-        return tuple(flags), tuple(attributes)
+        return TracedState(tuple(flags), tuple(attributes))
 
     @property
     def written(self):
@@ -63,10 +71,10 @@ class ModuleState:
         """Leaves out the attributes `written` names (pairs as `written` gives them), from now on."""
         self._written.update((int(index), str(name)) for index, name in written)
 
-    def forgets(self, before, after):
+    def forgets(self, before: TracedState, after: TracedState) -> None:
         """Leaves out, from now on, the attributes that changed between two `read()`s, before and
         after one forward."""
-        for index, ((_, old), (_, new)) in enumerate(zip(before[1][1:], after[1][1:])):
+        for index, ((_, old), (_, new)) in enumerate(zip(before.attributes[1:], after.attributes[1:])):
             if old != new:
                 old, new = dict(old), dict(new)
                 self._written.update((index, name) for name in old.keys() | new.keys()

@@ -7,6 +7,8 @@ initializers (shapes, indices) stay constants of the graph. `OnnxExports` hands 
 trainer in place of a torch export: initializers renamed to the graph names the torch path uses
 (`_export.trace.graph_name`) and turned into graph inputs, input dims set to each batch's shapes.
 """
+from typing import NamedTuple
+
 import numpy
 import onnx
 import onnx.numpy_helper
@@ -96,6 +98,14 @@ def binding(desc):
                         signature=f"({', '.join(names)})")
 
 
+class Traced(NamedTuple):
+    """What `get` gives (here and in `_compile.exports.TrainingExports`): the ONNX model for the
+    inputs, and whether it was re-derived from an earlier trace (proven against torch before use)."""
+
+    model: onnx.ModelProto
+    unproven: bool
+
+
 class OnnxExports:
     """`_compile.exports.TrainingExports`' interface over a given graph: nothing to trace or to prove."""
 
@@ -106,9 +116,9 @@ class OnnxExports:
     def check(self, values, desc):
         """Nothing to probe: there is no torch forward (ONNX Runtime checks the inputs' shapes)."""
 
-    def get(self, values, state):
-        """(the graph at these input shapes, False: nothing to prove it against)."""
-        return with_input_shapes(self._template, values), False
+    def get(self, values, state) -> Traced:
+        """The graph at these input shapes (nothing to prove it against)."""
+        return Traced(with_input_shapes(self._template, values), unproven=False)
 
     def with_weights(self, values):
         """The given model with the current weights as its initializers."""

@@ -22,6 +22,10 @@ with bf16 instructions (AMX or AVX512-BF16), the products run torch's bf16 kerne
 instead (`_graph.bf16_products`; ONNX Runtime's CPU provider has no bf16 kernel); on others bf16
 is refused (`unsupported`): torch's bf16 products are slower than fp32 there.
 """
+from __future__ import annotations
+
+from collections.abc import Collection
+
 import onnx
 import torch
 
@@ -38,7 +42,8 @@ _TYPE_CHANGING_OPS = {"Shape", "Size", "Cast", "CastLike", "Equal", "Less", "Gre
                       "DynamicQuantizeLinear"}
 
 
-def lower_precision(model, dtype, *, device_type, differentiable=()):
+def lower_precision(model: onnx.ModelProto, dtype: str, *, device_type: str | None,
+                    differentiable: Collection[str] = ()) -> int:
     """Rewrites `model` (an exported forward, in place): the inputs of each LOWER_PRECISION_OPS
     node that computes in fp32 are cast to `dtype` ('float16' or 'bfloat16'; one cast per tensor,
     shared by its consumers), the node computes in `dtype` and its output is cast back to fp32
@@ -112,7 +117,7 @@ def cpu_has_bf16_instructions():
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
-def unsupported(device_type, dtype):
+def unsupported(device_type: str, dtype: str) -> str | None:
     """Why the graphs cannot compute in `dtype` on `device_type` ('cpu', 'cuda'), or None."""
     if device_type == "cpu" and dtype == "bfloat16" and not cpu_has_bf16_instructions():
         return ("this CPU has no bfloat16 instructions (AMX or AVX512-BF16): ONNX Runtime's CPU provider has no "
@@ -121,7 +126,7 @@ def unsupported(device_type, dtype):
     return None
 
 
-def slower_than_fp32(device_type, dtype):
+def slower_than_fp32(device_type: str, dtype: str) -> str | None:
     """Why mixed precision in `dtype` is slower than fp32 on `device_type`, or None."""
     if device_type == "cpu" and dtype == "float16":
         return ("ONNX Runtime's CPU provider has no fp16 matrix products, so they are emulated (fp32 products with "
@@ -130,7 +135,7 @@ def slower_than_fp32(device_type, dtype):
     return None
 
 
-def cast_outputs(model, dtypes):
+def cast_outputs(model: onnx.ModelProto, dtypes: dict[str, str]) -> None:
     """Casts the fp32 graph outputs of `model` (in place) that `dtypes` ({output name: 'float16' or
     'bfloat16'}) names to that type: an ORTModule under torch.autocast returns what the model
     returns there (a linear's output in fp16, a loss in fp32)."""

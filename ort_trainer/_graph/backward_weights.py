@@ -15,6 +15,10 @@ producer's output index where it meant the Gemm's input index). Views of a weigh
 (Reshape, Squeeze, ... which ONNX Runtime places in their input's memory) that the backward reads are
 made again from `<weight>_backward`.
 """
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 import onnx
 
 from .module_graph_builder import ALIASING_OPS
@@ -24,7 +28,7 @@ _FED = "_fed"  # the YieldOp's output, read by the PassThrough to `<weight>_back
 _MS_DOMAIN = "com.microsoft"
 
 
-def weights_read_in_backward(model_proto, weights):
+def weights_read_in_backward(model_proto: onnx.ModelProto, weights: Sequence[str]) -> tuple[list[str], list[str]]:
     """Rewrites the training graph in place (see the module docstring); returns (the weights, graph
     input names among `weights`, the backward now takes again, in the order of the YieldOp's added
     outputs; the weights whose memory it still reads where the forward found them). A weight that a

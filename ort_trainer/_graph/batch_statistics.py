@@ -26,7 +26,7 @@ from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opse
 from .normalization import channel_affine, element_type, normalized_nodes
 
 
-def running_statistics(onnx_model, model):
+def running_statistics(onnx_model: onnx.ModelProto, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{graph name: buffer} of the model's buffers that the BatchNormalization nodes of an exported
     graph read (running statistics, also of BatchNorms in eval mode): graph inputs bound to the
     buffers' memory, so that every graph reads their current values."""

@@ -10,8 +10,11 @@ Gradients the CPU provider has no kernel for (ResizeGrad, ConvTransposeGrad) run
 The CUDA provider keeps ORT's own kernels: fewer launches, and its GatherGrad is deterministic
 where GatherNDGrad adds with atomics.
 """
+from __future__ import annotations
+
 import math
 import re
+from collections.abc import Callable
 
 import onnx
 
@@ -23,7 +26,7 @@ from .torch_nodes import replace_nodes, substitute_torch_kernels
 from .bf16_products import bf16_casts_in_torch, bf16_logits_into_loss, bf16_outputs_from_products
 
 
-def kernel_substitutions(device_type):
+def kernel_substitutions(device_type: str | None) -> Callable[..., None] | None:
     """The kernel substitutions for graphs that run on `device_type` ('cpu', 'cuda'):
     `substitute_cpu_kernels` on the CPU; None (ONNX Runtime's own kernels) elsewhere."""
     return substitute_cpu_kernels if device_type == "cpu" else None
@@ -81,7 +84,7 @@ def _label_nodes(prefix, label, ignore_index):
     return nodes, p + "index", p + "weight"
 
 
-def target_out_of_range(error):
+def target_out_of_range(error: Exception) -> IndexError | None:
     """The IndexError (torch's type for it) that explains ONNX Runtime's `error`, when the error is
     a loss target out of range in a rewritten softmax cross-entropy; else None."""
     match = _OUT_OF_RANGE.search(str(error))

@@ -29,7 +29,7 @@ _TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape", "RandomN
                                  "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli"})
 
 
-def low_precision_in_fp32(model):
+def low_precision_in_fp32(model: onnx.ModelProto) -> bool:
     """Rewrites `model` (an exported forward, in place) as the module docstring says. Returns
     whether it had fp16/bf16 tensors."""
     types = element_types(model)

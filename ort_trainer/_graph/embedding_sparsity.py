@@ -11,6 +11,9 @@ numbers, or an output), a Gather puts each position's row back (the padded ones 
 row). ONNX Runtime's gradient builder differentiates both Gathers: the shared row's gradient is the
 sum of the padded positions' gradients, which is what the dense graph sums into the weights.
 """
+from __future__ import annotations
+
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import onnx
@@ -55,7 +58,7 @@ class Outcome:
         return f"{name} stayed dense: " + ", ".join(self.dense)
 
 
-def drop_padding_rows(model, weights):
+def drop_padding_rows(model: onnx.ModelProto, weights: Collection[str]) -> list[Outcome]:
     """Rewrites the exported forward `model` (in place; its `ort_trainer::PaddingRows` markers still
     there, its weights graph inputs named in `weights`) so that the per-token nodes after each
     marked embedding compute the kept rows (see the module docstring). Returns an Outcome per

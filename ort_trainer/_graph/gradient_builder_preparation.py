@@ -2,6 +2,10 @@
 the optional outputs gradients read, embedding padding rows without gradient, normalizations and
 broadcast inputs rewritten into ops whose gradients exist and are right; and the eval graph's
 training mode turned off."""
+from __future__ import annotations
+
+from collections.abc import Collection
+
 import onnx
 
 from .._export.symbolics import MARKER_DOMAIN
@@ -20,7 +24,7 @@ from .torch_nodes import gradients_through_torch, register_torch_node_gradients
 _OUTPUTS_THE_GRADIENT_READS = {"Dropout": 2, "SoftmaxCrossEntropyLoss": 2, "LayerNormalization": 3}
 
 
-def weights_as_inputs(model, weights):
+def weights_as_inputs(model: onnx.ModelProto, weights: Collection[str]) -> None:
     """The first fixes of an exported forward, for both front ends, in place: the initializers
     named in `weights` (parameters, buffers) become graph inputs, read from the model's own
     tensors (no graph holds weights: copies of it stay small), and nodes get the optional outputs
@@ -137,7 +141,7 @@ def expand_broadcast_inputs(model, trainable):
 NO_GRADIENT_SUFFIX = "__no_gradient"
 
 
-def padding_rows_without_gradient(model, trainable):
+def padding_rows_without_gradient(model: onnx.ModelProto, trainable: Collection[str]) -> list[str]:
     """Rewrites the `ort_trainer::PaddingRows` markers (`_export.symbolics._embedding`), in place.
 
     torch gives an embedding's row padding_idx no gradient from the lookup. For a trainable
@@ -182,7 +186,8 @@ def padding_rows_without_gradient(model, trainable):
     return aliases
 
 
-def prepare_for_gradient(model, trainable, requiring_grad=()):
+def prepare_for_gradient(model: onnx.ModelProto, trainable: Collection[str],
+                         requiring_grad: Collection[str] = ()) -> list[str]:
     """The rewrites the gradient builder needs on a forward whose parameters are graph inputs and
     whose nodes have their optional outputs (add_second_outputs), in place: embedding padding rows
     without gradient, inference-mode BatchNormalization, InstanceNormalization and broadcast

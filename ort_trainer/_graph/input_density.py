@@ -2,15 +2,22 @@
 cross-entropy's labels with an ignore_index, an embedding's indices with a padding_idx (the
 export's `PaddingRows` marker). ORTModule's density report (`ORTMODULE_PRINT_INPUT_DENSITY=1`)
 counts them per call; label sparsity (`_graph.label_sparsity`) skips the ignored labels' rows."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from .._export.symbolics import MARKER_DOMAIN
 from .._onnx import node_attributes
+
+if TYPE_CHECKING:
+    import onnx
 
 IGNORE_INDEX, PADDING_IDX = "ignore_index", "padding_idx"
 # Ops that move or retype positions without mixing them (HF's shifted labels: a Slice, a Reshape).
 _POSITION_PRESERVING = frozenset({"Reshape", "Slice", "Squeeze", "Unsqueeze", "Flatten", "Cast", "Identity"})
 
 
-def density_inputs(model):
+def density_inputs(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
     """{graph input name: (IGNORE_INDEX or PADDING_IDX, the value that marks a position empty)} of
     the exported forward `model`, found before the graph fixes (which drop the padding marker)."""
     producers = {output: node for node in model.graph.node for output in node.output}

@@ -8,6 +8,10 @@ step, and eager PyTorch computes them for every position. The exported forward i
 before ONNX Runtime's gradient builder, which then differentiates through the Gather (GatherGrad
 scatters the kept rows' gradients back, the others stay zero: what the dense graph computes).
 """
+from __future__ import annotations
+
+from collections.abc import Collection
+
 import onnx
 
 from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes
@@ -16,7 +20,7 @@ from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes
 _ROW_WISE = frozenset({"Cast", "Identity"})
 
 
-def gather_labelled_rows(model, fetched):
+def gather_labelled_rows(model: onnx.ModelProto, fetched: Collection[str]) -> int:
     """Rewrites each SoftmaxCrossEntropyLoss with an ignore_index (reduction 'mean' or 'sum', no class
     weights) of the exported forward `model` (in place) so that the projection feeding its scores
     (MatMul or Gemm, a bias Add of shape [classes], Casts) computes only the rows whose label is not
@@ -39,7 +43,8 @@ def gather_labelled_rows(model, fetched):
         loss = next(node for node in graph.node if node.output[0] == name)
         chain = _projection_chain(graph, loss, tensors, set(fetched))
         if chain is not None:
-            _rewrite(graph, loss, *chain, tensors)
+            projection, row_wise, reshape, width = chain
+            _rewrite(graph, loss, projection, row_wise, reshape, width, tensors)
             rewritten += 1
     return rewritten
 

@@ -21,7 +21,10 @@ ONNX Runtime 1.19's own recompute pass (its MemoryOptimizer, `optimization.memor
 does not apply here: it splits forward from backward at a YieldOp, which only ORTModule's graphs
 have; the trainer runs forward and backward as one graph in one run.
 """
+from __future__ import annotations
+
 import warnings
+from collections.abc import Callable
 
 import onnx
 import torch
@@ -219,7 +222,7 @@ class Recompute:
             training.opset_import.append(onnx.helper.make_opsetid(_MS_DOMAIN, 1))
 
 
-def module_groups(model, layers):
+def module_groups(model: torch.nn.Module, layers: bool) -> Callable[[str], tuple[str, int] | None]:
     """`recompute_in_backward`'s groups for ORTModule: a node's checkpointed segment
     (`_export.checkpointing`), else, with `layers` (ORTMODULE_MEMORY_OPT_LEVEL=1), its layer in
     the model's stack of layers (`layer_stack`) but the last one, as ORTTrainer's
@@ -239,7 +242,7 @@ def module_groups(model, layers):
     return group_of
 
 
-def has_copies(model):
+def has_copies(model: onnx.ModelProto) -> bool:
     """Whether `model` (an ONNX model) computes recompute copies: its sessions run in PRIORITY_BASED
     order, which `Recompute.schedule` orders them for."""
     return any(node.name.endswith(_SUFFIX) for node in model.graph.node)

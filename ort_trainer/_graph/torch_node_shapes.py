@@ -114,7 +114,7 @@ SHAPE_RULES = {EINSUM: _einsum_shape, ADAPTIVE_AVG_POOL: _adaptive_avg_pool_shap
                TO_FP32: lambda shapes, params: list(shapes[0])}
 
 
-def declare_torch_node_outputs(model):
+def declare_torch_node_outputs(model: onnx.ModelProto) -> None:
     """States the type and shape of the forward torch nodes' outputs (in place): ONNX and ONNX
     Runtime infer none for an ATen node, and without them nothing after it has a shape (an export
     re-derived at new shapes has lost its value_info). Shapes from the inputs' inferred ones; the

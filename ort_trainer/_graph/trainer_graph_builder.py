@@ -1,7 +1,11 @@
 """ORTTrainer's graphs: the exported forward + loss turned into ONNX Runtime's training graph
 (forward, loss, backward: a gradient output per parameter) and its eval graph."""
+from __future__ import annotations
+
 import copy
 import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import onnx
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
@@ -19,13 +23,16 @@ from .recompute import Recompute
 from .torch_node_shapes import declare_torch_node_outputs
 from .torch_nodes import finish_torch_node_gradients
 
+if TYPE_CHECKING:
+    from .batch_statistics import BatchStatistics
+
 LOSS_SCALE_INPUT = "__loss_scale"
 # Ops that draw from ONNX Runtime's default generator (ORT's fused forms of Dropout included).
 _RANDOM_OPS = {"Dropout", "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout", "RandomNormal", "RandomNormalLike",
                "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
-def draws_random_numbers(model):
+def draws_random_numbers(model: onnx.ModelProto | bytes) -> bool:
     """Whether a run of `model` (an ONNX model, or serialized) draws random numbers: a training-mode
     Dropout, a random op."""
     if isinstance(model, bytes):
@@ -102,9 +109,12 @@ def symbolic_shapes(model):
             "set utils.run_symbolic_shape_infer=False") from error
 
 
-def build_graphs(model, trainable, read_only, output_names, loss_name, *, device_type=None, loss_scaling=False,
-                 compute_dtype=None, recompute=None, shape_inference=False, batch_statistics=None,
-                 faster_in_torch=None, label_sparsity=False, embedding_sparsity=False):
+def build_graphs(model: onnx.ModelProto, trainable: Sequence[str], read_only: Sequence[str],
+                 output_names: Sequence[str], loss_name: str, *, device_type: str | None = None,
+                 loss_scaling: bool = False, compute_dtype: str | None = None, recompute: Recompute | None = None,
+                 shape_inference: bool = False, batch_statistics: BatchStatistics | None = None,
+                 faster_in_torch: Callable[..., bool] | None = None, label_sparsity: bool = False,
+                 embedding_sparsity: bool = False) -> tuple[bytes, bytes]:
     """Returns (training graph, eval graph) as serialized ONNX models.
 
     The training graph computes `output_names` (the outputs the caller fetches; the loss is

@@ -17,7 +17,7 @@ import torch
 _MIN_BYTES = 1 << 22  # below 4 MiB glibc's heap reuses freed memory without page faults
 _PER_SHAPE = 4  # buffers kept per (shape, type): more at once are allocated as usual
 _SHAPES = 16  # (shape, type) kinds kept, least recently used dropped
-_pools = collections.OrderedDict()  # (shape, dtype) -> [tensor]
+_pools: collections.OrderedDict[tuple, list[torch.Tensor]] = collections.OrderedDict()  # (shape, dtype) -> [tensor]
 _lock = threading.Lock()  # runs of other threads' sessions take buffers too
 _COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")  # a torch without it: no pool (fresh memory each time)
 

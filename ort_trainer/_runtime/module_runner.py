@@ -1,13 +1,16 @@
 """Runs one ORTModule graph: a `TrainingAgent` that runs the forward of a call and, when autograd
 asks, its backward from the state the forward kept (no recomputation), or an inference session
 for calls without gradients. Tensors cross to ONNX Runtime and back through DLPack (no copy)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from onnxruntime.capi import _pybind_state as C
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from .sessions import seed_random_ops
+from .sessions import Sessions, seed_random_ops
 from .torch_ops import FunctionContexts, raising_torch_op_errors
 
 
@@ -18,8 +21,9 @@ class ModuleRunner:
     `optimized_model_path`: where ONNX Runtime writes the graph it runs (debugging).
     `priority_order`: run its nodes in PRIORITY_BASED order (recompute copies, `_graph.recompute`)."""
 
-    def __init__(self, sessions, model, input_names, output_names, forward_outputs, *, trains, draws_random_numbers,
-                 optimized_model_path=None, priority_order=False):
+    def __init__(self, sessions: Sessions, model: bytes, input_names: Sequence[str], output_names: Sequence[str],
+                 forward_outputs: int, *, trains: bool, draws_random_numbers: bool,
+                 optimized_model_path: str | None = None, priority_order: bool = False) -> None:
         self._sessions, self._random = sessions, draws_random_numbers
         self._first_run = sessions.first_run()
         self._session = sessions.create(model, optimized_model_path=optimized_model_path, priority_order=priority_order)
@@ -33,7 +37,7 @@ class ModuleRunner:
         else:
             self._devices = [device] * len(self._outputs)
 
-    def infer(self, feeds):
+    def infer(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The forward alone (no gradient): the outputs as tensors."""
         placement, fetched = self._sessions.placement, C.OrtValueVector()
         self._first_run.begin()
@@ -44,7 +48,7 @@ class ModuleRunner:
         self._first_run.end()
         return placement.returned(_torch_tensors(fetched))
 
-    def run_forward(self, feeds):
+    def run_forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], ForwardState]:
         """(outputs, state): the forward of a training call; `state` keeps what its backward reads
         (ONNX Runtime's, and the contexts of the custom autograd.Functions that ran).
 
@@ -59,7 +63,7 @@ class ModuleRunner:
             self._agent.run_forward(_ort_values(feeds), fetched, state, None)
         return placement.returned(_torch_tensors(fetched)), ForwardState(state, contexts)
 
-    def run_backward(self, state, output_grads):
+    def run_backward(self, state: ForwardState, output_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The backward's gradients, in the graph's order, from the gradients of the forward's
         outputs (`output_grads`: tensors, in output order)."""
         placement, fetched = self._sessions.placement, C.OrtValueVector()

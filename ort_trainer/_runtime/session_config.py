@@ -138,7 +138,7 @@ def register_shared_cpu_arena(mem_limit):
 
 # CUDA provider options that size the arena; the shared one is created with the first trainer's.
 _CUDA_ARENA_OPTIONS = ("gpu_mem_limit", "arena_extend_strategy")
-_registered_cuda_arenas = {}  # device index -> the arena options it was created with
+_registered_cuda_arenas: dict[int, dict] = {}  # device index -> the arena options it was created with
 
 
 def register_shared_cuda_arena(index, cuda_options):

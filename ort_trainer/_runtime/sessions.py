@@ -2,6 +2,8 @@
 placement's stream, without ONNX Runtime's end-of-run sync), the session and run options as
 `RuntimeSettings` say, the device's memory policy, the provider check, the memory released around
 a session's first run, and ONNX Runtime's generator seeded from torch's."""
+from __future__ import annotations
+
 import dataclasses
 import functools
 
@@ -16,6 +18,9 @@ from . import product_speed
 from .cuda_requirements import require_cuda_provider
 from .memory import memory_policy
 from .session_config import provider_options_from, session_options_from
+from .._configuration.runtime_settings import RuntimeSettings
+from .memory import CpuMemory, CudaMemory
+from .placement import Placement
 from .torch_ops import register_executor
 
 
@@ -26,10 +31,10 @@ class Sessions:
     handled logs nothing), and `memory` (the device's memory policy) are what every session
     and run of this placement uses."""
 
-    def __init__(self, placement, settings):
+    def __init__(self, placement: Placement, settings: RuntimeSettings) -> None:
         self.placement = placement
         self._settings = settings
-        ours = [CPU_PROVIDER]
+        ours: list[str | tuple[str, dict[str, str]]] = [CPU_PROVIDER]
         if placement.stream is not None:
             ours.insert(0, (CUDA_PROVIDER, {
                 "device_id": str(placement.index), "has_user_compute_stream": "1",
@@ -42,7 +47,7 @@ class Sessions:
         self.memory = memory_policy(placement.torch_device, settings.mem_limit, self.providers)
         self.faster_in_torch = _products_faster_in_torch(placement, settings)
 
-    def session_options(self, *, priority_order=False):
+    def session_options(self, *, priority_order: bool = False) -> onnxruntime.SessionOptions:
         """A new SessionOptions of these settings (the user's own object when they gave one);
         `priority_order`: in PRIORITY_BASED order whatever the settings say (a graph with recompute
         copies scheduled for it, `_graph.recompute`)."""
@@ -58,7 +63,8 @@ class Sessions:
         settings = dataclasses.replace(self._settings, priority_order=True) if priority_order else self._settings
         return session_options_from(settings, options, entries)
 
-    def create(self, model, *, optimized_model_path=None, priority_order=False):
+    def create(self, model: bytes, *, optimized_model_path: str | None = None,
+               priority_order: bool = False) -> onnxruntime.InferenceSession:
         """An InferenceSession of `model` (serialized). A CUDA session ONNX Runtime silently built
         for the CPU (its CUDA provider library failed to load) would fail later, obscurely, on
         device pointers: refused here, by name. `optimized_model_path`: where ONNX Runtime writes
@@ -77,7 +83,7 @@ class Sessions:
             require_cuda_provider(session.get_providers())
         return session
 
-    def first_run(self):
+    def first_run(self) -> FirstRun:
         """A new session's `FirstRun`."""
         return FirstRun(self.memory)
 
@@ -88,20 +94,20 @@ class FirstRun:
     (`begin`: it runs on the memory in use, not on another session's free block) and after it
     (`end`: the process holds one of the two). No-ops once the first run has ended."""
 
-    def __init__(self, memory):
+    def __init__(self, memory: CpuMemory | CudaMemory) -> None:
         self._memory, self.pending = memory, True
 
-    def begin(self):
+    def begin(self) -> None:
         if self.pending:
             self._memory.release_cached_memory()
 
-    def end(self):
+    def end(self) -> None:
         if self.pending:
             self._memory.release_cached_memory()
             self.pending = False
 
 
-def seed_random_ops():
+def seed_random_ops() -> None:
     """Seeds ONNX Runtime's generator from torch's before a run that draws random numbers (dropout).
 
     Why: ORT's CPU Dropout seeds a minstd engine with its generator's next seed, one more per

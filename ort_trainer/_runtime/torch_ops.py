@@ -14,12 +14,15 @@ Pure Python (ctypes), no compiled extension. What it must get right, each pinned
   inter-op threads while the calling thread holds the GIL (`Sessions.create` refuses
   ORT_PARALLEL for such graphs).
 """
+from __future__ import annotations
+
 import contextlib
 import ctypes
 import functools
 import itertools
 import json
 import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +66,7 @@ def _thread_list(name):
     if not hasattr(_recorded, name):
         setattr(_recorded, name, [])
     return getattr(_recorded, name)
-_registered = []  # the callbacks, kept alive for the life of the process
+_registered: list = []  # the callbacks, kept alive for the life of the process
 
 
 def _interpolate_grad(inputs, params):
@@ -345,7 +348,7 @@ def _execute(operator, overload, count_in, inputs, count_out, outputs):
         _hand_over(result, outputs, k)
 
 
-def register_executor():
+def register_executor() -> None:
     """Registers the executor with ONNX Runtime, once per process (idempotent, thread-safe)."""
     with _lock:
         if _registered:
@@ -357,7 +360,7 @@ def register_executor():
         _registered.extend([is_tensor_argument, execute])
 
 
-def take_errors():
+def take_errors() -> list[tuple[str, Exception]]:
     """The errors this thread's runs recorded since the last call, oldest first."""
     errors = _thread_list("errors")
     taken = list(errors)
@@ -366,7 +369,7 @@ def take_errors():
 
 
 @contextlib.contextmanager
-def raising_torch_op_errors():
+def raising_torch_op_errors() -> Iterator[FunctionContexts]:
     """Around a run: a run that a failed torch node made fail raises TorchOpError naming the node's
     torch implementation, chained to its exception (ONNX Runtime's own error is in the message).
     Yields the run's `FunctionContexts` (filled when the run ends): keep it while a later run

@@ -1,18 +1,31 @@
 """ORTTrainer's compiled graphs: the training and eval sessions of one input signature, bound to
 the flat parameter and gradient buffers through IOBinding (no per-step copies)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
 import numpy as np
 import onnx
 import onnxruntime
 import torch
 from onnxruntime.capi import _pybind_state as C
 
+from .._export.guards import TracedState
 from .._graph.cpu_kernels import target_out_of_range
 from .._graph.gradient_builder_preparation import NO_GRADIENT_SUFFIX
 from .._onnx import inferred_tensors
+from .._torch_node_catalogue import AUTOGRAD_FUNCTION
 from .memory import TORCH_TO_NUMPY
 from .sessions import seed_random_ops
-from .._torch_node_catalogue import AUTOGRAD_FUNCTION
 from .torch_ops import raising_torch_op_errors
+
+if TYPE_CHECKING:
+    from .._graph.batch_statistics import BatchStatistics
+    from .placement import Placement
+    from .sessions import Sessions
+
+Array: TypeAlias = Any  # a NumPy array, or a CuPy one on CUDA (CuPy has no type information)
 
 _ORT_TYPE_TO_TORCH = {
     "tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
@@ -48,12 +61,14 @@ class CompiledGraph:
     session; each run binds only the caller's inputs (zero copy) and fresh output tensors.
     """
 
-    def __init__(self, training_graph, eval_graph, sessions, weights, input_names, output_names, *,
-                 model_state=((), ()), batch_statistics=None, draws_random_numbers=False, priority_order=False):
+    def __init__(self, training_graph: bytes, eval_graph: bytes, sessions: Sessions, weights: WeightBindings,
+                 input_names: Sequence[str], output_names: Sequence[str], *,
+                 model_state: TracedState = TracedState((), ()), batch_statistics: BatchStatistics | None = None,
+                 draws_random_numbers: bool = False, priority_order: bool = False) -> None:
         """training_graph, eval_graph: serialized models. sessions: the placement's `Sessions`.
         weights: the `WeightBindings` both graphs read (flat parameters, frozen weights, running
-        statistics, constant feeds). model_state: (train/eval flags, attributes) of the model when
-        it was traced (`_export.guards.ModuleState`). batch_statistics: the
+        statistics, constant feeds). model_state: the model's state when it was traced
+        (`_export.guards.ModuleState`). batch_statistics: the
         `_graph.batch_statistics.BatchStatistics` the training graph returns after `output_names`; each
         training run updates the running statistics from them. draws_random_numbers: the training
         graph has dropout (ONNX Runtime's generator is seeded from torch's before each run).
@@ -69,7 +84,8 @@ class CompiledGraph:
         self._weights = weights
         self._input_names = input_names
         self._output_names = output_names
-        self._bound = {}
+        # per mode: the session, its binding, its input names, the (dtype, shape) of each fetched output
+        self._bound: dict[bool, tuple[onnxruntime.InferenceSession, onnxruntime.IOBinding, set[str], list]] = {}
         self._first_runs = {True: sessions.first_run(), False: sessions.first_run()}
         self._grads_bound_to = None
         self._random, self._priority_order = draws_random_numbers, priority_order
@@ -87,7 +103,8 @@ class CompiledGraph:
             self._bound[training] = (session, binding, graph_inputs, specs)
         return self._bound[training]
 
-    def run(self, inputs, *, training, grads=None, quiet=False):
+    def run(self, inputs: Mapping[str, torch.Tensor | None], *, training: bool, grads: Array | None = None,
+            quiet: bool = False) -> list[torch.Tensor]:
         """Runs one step on the bound buffers; returns the user outputs as new torch tensors.
 
         `inputs`: {input name: tensor} (the graph's inputs; other entries are ignored).
@@ -103,8 +120,9 @@ class CompiledGraph:
             self._weights.bind_gradients(binding, grads, placement)
             self._grads_bound_to = grads
         for name in self._input_names:
-            if name in graph_inputs:
-                bind_tensor(binding, name, inputs[name], placement, output=False)
+            tensor = inputs[name]  # an input present when the graph was compiled: present in its signature
+            if name in graph_inputs and tensor is not None:
+                bind_tensor(binding, name, tensor, placement, output=False)
         outputs = []
         for name, (dtype, shape) in zip(self._fetched[training], specs):
             tensor = self._sessions.memory.output_tensor(shape, dtype)
@@ -133,10 +151,10 @@ class WeightBindings:
     tensors bound as they are ({graph name: tensor}: frozen weights, BatchNorm running
     statistics), and `feeds` ({graph name: array} updated in place, e.g. the loss scale)."""
 
-    def __init__(self, flat, read_only, feeds=None):
+    def __init__(self, flat, read_only: dict[str, torch.Tensor], feeds: dict[str, Array] | None = None) -> None:
         self.flat, self.read_only, self.feeds = flat, read_only, feeds or {}
 
-    def bind(self, binding, graph_inputs, placement):
+    def bind(self, binding: onnxruntime.IOBinding, graph_inputs: set[str], placement: Placement) -> None:
         flat = self.flat
         for name in flat.names:
             for graph_name in (name, name + NO_GRADIENT_SUFFIX):
@@ -149,20 +167,21 @@ class WeightBindings:
             if name in graph_inputs:
                 bind_tensor(binding, name, tensor, placement, output=False)
 
-    def bind_gradients(self, binding, grads, placement):
+    def bind_gradients(self, binding: onnxruntime.IOBinding, grads: Array, placement: Placement) -> None:
         """Points the gradient outputs at `grads` (a buffer in the flat layout)."""
         for name in self.flat.names:
             bind_array(binding, f"{name}_grad", self.flat.view(grads, name), placement, output=True)
 
 
-def bind_array(binding, name, array, placement, *, output):
+def bind_array(binding: onnxruntime.IOBinding, name: str, array: Array, placement: Placement, *, output: bool) -> None:
     """Binds a NumPy or CuPy array (its memory, in place) as input or output `name`."""
     pointer = array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
     bind = binding.bind_output if output else binding.bind_input
     bind(name, placement.ort_device, placement.index, array.dtype, list(array.shape), pointer)
 
 
-def bind_tensor(binding, name, tensor, placement, *, output):
+def bind_tensor(binding: onnxruntime.IOBinding, name: str, tensor: torch.Tensor, placement: Placement, *,
+                output: bool) -> None:
     """Binds a torch tensor in place: by pointer, or through DLPack for the dtypes NumPy lacks
     (bfloat16), which ONNX Runtime's pointer binding cannot name."""
     dtype = TORCH_TO_NUMPY.get(tensor.dtype)

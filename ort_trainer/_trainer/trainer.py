@@ -335,9 +335,10 @@ class ORTTrainer:
         user's: a submodule in eval mode trains with its dropout off, as in torch; eval graphs
         turn dropout off either way). A step after that state changed compiles again."""
         self._weights.check_requires_grad()
-        flags, attributes = self._state.read()
+        state = self._state.read()
         graph = self._graphs.get((signature, outputs))
-        if graph is None or graph.model_state[1] != attributes or (training and graph.model_state[0] != flags):
+        if graph is None or graph.model_state.attributes != state.attributes or (
+                training and graph.model_state.flags != state.flags):
             graph = self._compile(values, outputs)
             self._graphs.put((signature, outputs), graph)
         return graph

@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from .._compile.cache import GraphCache
+from .._compile.cache import GraphCache, ModuleSignature
 from .._compile.module_cache import ModuleGraphCache
 from .._compile.module_compiler import ModuleGraph
 from .._configuration.ortmodule_settings import settings
@@ -203,7 +203,7 @@ class ORTModule(torch.nn.Module):
         graph = self._graphs.get(key)
         if graph is None:
             with _partitioned.deepspeed_hooks_suspended(model) if partitioned else contextlib.nullcontext():
-                graph = self._compile(binding, values, named, needs_grad=key[-1])
+                graph = self._compile(binding, values, named, needs_grad=key.needs_grad)
             key = self._signature(binding, values, named)  # without attributes the probe saw forward() write
             self._graphs.put(key, graph)
         if graph is _PYTORCH:
@@ -216,14 +216,15 @@ class ORTModule(torch.nn.Module):
         graph.batch_statistics.update(outputs)  # training-mode BatchNorms: their running statistics, as torch
         return graph.schema.rebuild(outputs)
 
-    def _signature(self, binding, values, named):
-        """What one compiled graph serves; the last item says whether the call needs gradients."""
+    def _signature(self, binding, values, named) -> ModuleSignature:
+        """What one compiled graph serves."""
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*values.values(), *named.values()))
         inputs = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in values.items())
         constants = tuple((name, type(value), value) for name, value in binding.constant_keywords.items())
         structures = tuple((name, structure.key) for name, structure in binding.structures.items())
         model = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in named.items())
-        key = (inputs, binding.positional, constants, structures, model, self._state.read(), _autocast(), needs_grad)
+        key = ModuleSignature(inputs, binding.positional, constants, structures, model, self._state.read(), _autocast(),
+                              needs_grad)
         try:
             hash(key)
         except TypeError:
@@ -294,7 +295,7 @@ class ORTModule(torch.nn.Module):
 
 
 _WRAPPERS = (ORTModule, torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)  # refused as the model
-_CLASSES = weakref.WeakKeyDictionary()  # model class -> its ORTModule class
+_CLASSES: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()  # model class -> its ORTModule class
 
 
 def _class_for(model_class):
