@@ -130,6 +130,7 @@ def summarize(samples):
 def run_ours(cupy, sizes, args):
     from ort_trainer._optimizers import cuda_steps as _kernels
     from ort_trainer._optimizers.flat import FlatLayout
+    from ort_trainer._optimizers.hyper import HYPER_TYPES
 
     groups = [[n for _, n, decays in sizes if decays], [n for _, n, decays in sizes if not decays]]
     n = sum(map(sum, groups))
@@ -144,7 +145,8 @@ def run_ours(cupy, sizes, args):
     clip_out = cupy.empty(3, dtype=np.float64)
     results = {}
     for family in ("adam", "lamb", "sgd"):
-        layout = FlatLayout.from_sizes(groups, [hyper_for(family, True), hyper_for(family, False)])
+        layout = FlatLayout.from_sizes(groups, [HYPER_TYPES[family](**hyper_for(family, decays))
+                                                for decays in (True, False)])
         table = _kernels.layout_table(layout, family)
         counter = {"t": 0}
 

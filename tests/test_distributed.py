@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions
 from ort_trainer._optimizers.flat import FlatLayout
+from ort_trainer._optimizers.hyper import SGDHyper
 from ort_trainer._trainer.distributed import Shards, SingleProcess, setup, shard_layout
 
 from . import distributed_worker as worker
@@ -218,15 +219,17 @@ def test_too_few_elements_for_non_empty_shards():
 
 
 def test_shard_layout_cuts_tensors_and_keeps_group_hyperparameters():
-    layout = FlatLayout.from_sizes([[10, 6], [4, 5]], [{"lr_scale": 1}, {"lr_scale": 2}])  # offsets 0 10 16 20 25
+    first, second = (SGDHyper(momentum=momentum, nesterov=False, lambda_coef=0.0, dampening=0.0)
+                     for momentum in (0.1, 0.2))
+    layout = FlatLayout.from_sizes([[10, 6], [4, 5]], [first, second])  # offsets 0 10 16 20 25
     local, segments = shard_layout(layout, 8, 22)
     assert local.seg_offsets.tolist() == [0, 2, 8, 12, 14]
     assert segments.tolist() == [0, 1, 2, 3]
-    assert [(g.start, g.stop, g.seg_start, g.seg_stop, dict(g.hyper)) for g in local.groups] == [
-        (0, 8, 0, 2, {"lr_scale": 1}), (8, 14, 2, 4, {"lr_scale": 2})]
+    assert [(g.start, g.stop, g.seg_start, g.seg_stop, g.hyper) for g in local.groups] == [
+        (0, 8, 0, 2, first), (8, 14, 2, 4, second)]
     local, segments = shard_layout(layout, 20, 25)
     assert local.seg_offsets.tolist() == [0, 5] and segments.tolist() == [3]
-    assert [dict(g.hyper) for g in local.groups] == [{"lr_scale": 2}]
+    assert [g.hyper for g in local.groups] == [second]
 
 
 # ---------------------------------------------------------------- the example under torchrun

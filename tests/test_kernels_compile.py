@@ -10,6 +10,7 @@
   ImportError that says what to install.
 """
 import ctypes
+import dataclasses
 import importlib.resources
 import re
 import shutil
@@ -23,6 +24,7 @@ from ort_trainer._optimizers import cuda_steps as K
 from ort_trainer._optimizers import cuda_launch as L
 from ort_trainer._optimizers import cuda_tables as T
 from ort_trainer._optimizers.flat import FlatLayout
+from ort_trainer._optimizers.hyper import AdamHyper, LambHyper
 from ort_trainer._runtime.cuda_requirements import NVRTC11, CudaUnavailable, preload_cuda11_libraries
 
 NVCC = shutil.which("nvcc")
@@ -170,14 +172,14 @@ def test_group_fields_match_kernel_defines(family):
 # Host-side tables
 # ----------------------------------------------------------------------------------------------
 
-ADAM = dict(alpha=0.9, beta=0.999, lambda_coef=0.01, epsilon=1e-8, do_bias_correction=True,
-            weight_decay_mode=1)
-LAMB = dict(alpha=0.8, beta=0.99, lambda_coef=0.0, epsilon=1e-6, ratio_min=-np.inf,
-            ratio_max=2.0, do_bias_correction=False)
+ADAM = AdamHyper(alpha=0.9, beta=0.999, lambda_coef=0.01, epsilon=1e-8, do_bias_correction=True,
+                 weight_decay_mode=1)
+LAMB = LambHyper(alpha=0.8, beta=0.99, lambda_coef=0.0, epsilon=1e-6, ratio_min=-np.inf,
+                 ratio_max=2.0, do_bias_correction=False)
 
 
 def test_group_table_packs_hyperparameters():
-    layout = FlatLayout.from_sizes([[3, 5], [7]], [ADAM, dict(ADAM, weight_decay_mode=0)])
+    layout = FlatLayout.from_sizes([[3, 5], [7]], [ADAM, dataclasses.replace(ADAM, weight_decay_mode=0)])
     table = T.group_table(layout, "adam")
     assert table.dtype == T.GROUP_DTYPE and table.size == 2
     assert table["start"].tolist() == [0, 8] and table["stop"].tolist() == [8, 15]
@@ -187,7 +189,8 @@ def test_group_table_packs_hyperparameters():
     assert flags[:2].tolist() == [1, 1] and table[1]["flags"][1] == 0
     lamb = T.group_table(FlatLayout.from_sizes([[4]], [LAMB]), "lamb")
     assert lamb[0]["d"][2] == -np.inf and lamb[0]["d"][3] == 2.0
-    with pytest.raises(ValueError, match="lacks 'ratio_min'"):
+    with pytest.raises(ValueError, match=re.escape(
+            "layout.groups[0].hyper is AdamHyper, the lamb kernels need LambHyper")):
         T.group_table(layout, "lamb")
 
 

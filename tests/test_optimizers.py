@@ -1,5 +1,6 @@
 """Flat-buffer optimizers: fast CPU path vs references, references vs torch.optim and independent
 float64 transcriptions, gradient clipping, state dicts and error messages."""
+import dataclasses
 import re
 import types
 
@@ -11,35 +12,37 @@ from ort_trainer._optimizers import algorithms as opt
 from ort_trainer._optimizers import cpu as _optim_cpu
 from ort_trainer._optimizers import reference as _optim_reference
 from ort_trainer._optimizers.flat import FlatLayout, GroupSlice
+from ort_trainer._optimizers.hyper import AdamHyper, LambHyper, SGDHyper
 
-SGD_HYPER = dict(momentum=0.9, nesterov=False, lambda_coef=0.0, dampening=0.0)
-ADAM_HYPER = dict(alpha=0.9, beta=0.999, lambda_coef=0.0, epsilon=1e-8, do_bias_correction=True,
-                  weight_decay_mode=0)
-LAMB_HYPER = dict(alpha=0.9, beta=0.999, lambda_coef=0.0, epsilon=1e-6, ratio_min=-np.inf,
-                  ratio_max=np.inf, do_bias_correction=False)
+SGD_HYPER = SGDHyper(momentum=0.9, nesterov=False, lambda_coef=0.0, dampening=0.0)
+ADAM_HYPER = AdamHyper(alpha=0.9, beta=0.999, lambda_coef=0.0, epsilon=1e-8, do_bias_correction=True,
+                       weight_decay_mode=0)
+LAMB_HYPER = LambHyper(alpha=0.9, beta=0.999, lambda_coef=0.0, epsilon=1e-6, ratio_min=-np.inf,
+                       ratio_max=np.inf, do_bias_correction=False)
+replace = dataclasses.replace
 
 # Per-group hyperparameters that reach every code path of each fast optimizer.
 GROUP_HYPERS = {
     "SGDOptimizer": [
-        dict(SGD_HYPER, nesterov=True, lambda_coef=0.01),
-        dict(SGD_HYPER, momentum=0.0),
-        dict(SGD_HYPER, momentum=0.5, dampening=0.1, lambda_coef=0.1),
+        replace(SGD_HYPER, nesterov=True, lambda_coef=0.01),
+        replace(SGD_HYPER, momentum=0.0),
+        replace(SGD_HYPER, momentum=0.5, dampening=0.1, lambda_coef=0.1),
     ],
     "AdamOptimizer": [
-        dict(ADAM_HYPER),  # fused Adam
-        dict(ADAM_HYPER, alpha=0.8, beta=0.99, lambda_coef=0.01),  # fused AdamW
-        dict(ADAM_HYPER, lambda_coef=0.01, epsilon=1e-6, weight_decay_mode=1),
-        dict(ADAM_HYPER, alpha=0.85, lambda_coef=0.1, do_bias_correction=False),
-        dict(ADAM_HYPER, beta=0.995, lambda_coef=0.05, do_bias_correction=False,
+        ADAM_HYPER,  # fused Adam
+        replace(ADAM_HYPER, alpha=0.8, beta=0.99, lambda_coef=0.01),  # fused AdamW
+        replace(ADAM_HYPER, lambda_coef=0.01, epsilon=1e-6, weight_decay_mode=1),
+        replace(ADAM_HYPER, alpha=0.85, lambda_coef=0.1, do_bias_correction=False),
+        replace(ADAM_HYPER, beta=0.995, lambda_coef=0.05, do_bias_correction=False,
              weight_decay_mode=1),
     ],
     "LambOptimizer": [
-        dict(LAMB_HYPER),
-        dict(LAMB_HYPER, alpha=0.8, beta=0.99, lambda_coef=0.01, ratio_min=0.5, ratio_max=2.0,
+        LAMB_HYPER,
+        replace(LAMB_HYPER, alpha=0.8, beta=0.99, lambda_coef=0.01, ratio_min=0.5, ratio_max=2.0,
              do_bias_correction=True),
-        dict(LAMB_HYPER, lambda_coef=0.1, epsilon=1e-5, ratio_min=0.0, ratio_max=10.0),
-        dict(LAMB_HYPER, beta=0.98, lambda_coef=0.02, do_bias_correction=True),
-        dict(LAMB_HYPER, ratio_min=0.9, ratio_max=0.95),
+        replace(LAMB_HYPER, lambda_coef=0.1, epsilon=1e-5, ratio_min=0.0, ratio_max=10.0),
+        replace(LAMB_HYPER, beta=0.98, lambda_coef=0.02, do_bias_correction=True),
+        replace(LAMB_HYPER, ratio_min=0.9, ratio_max=0.95),
     ],
 }
 # Segment sizes per group: 1, odd, 1025, one tensor bigger than a CPU block, tensors straddling
@@ -201,16 +204,16 @@ SIZES = [1, 7, 1025, 4000]
 
 
 @pytest.mark.parametrize("hyper", [
-    dict(SGD_HYPER, momentum=0.0),
-    dict(SGD_HYPER, lambda_coef=0.01),
-    dict(SGD_HYPER, nesterov=True, lambda_coef=0.1),
-    dict(SGD_HYPER, momentum=0.5, dampening=0.3),
+    replace(SGD_HYPER, momentum=0.0),
+    replace(SGD_HYPER, lambda_coef=0.01),
+    replace(SGD_HYPER, nesterov=True, lambda_coef=0.1),
+    replace(SGD_HYPER, momentum=0.5, dampening=0.3),
 ])
 def test_sgd_reference_matches_torch(hyper):
     params, grads = random_problem(SIZES)
     expected = run_torch(torch.optim.SGD, SIZES, grads, params, lr=0.05,
-                         momentum=hyper["momentum"], dampening=hyper["dampening"],
-                         nesterov=hyper["nesterov"], weight_decay=hyper["lambda_coef"])
+                         momentum=hyper.momentum, dampening=hyper.dampening,
+                         nesterov=hyper.nesterov, weight_decay=hyper.lambda_coef)
     actual = run_reference("SGDOptimizer", hyper, SIZES, grads, 0.05, params)
     assert rel_err(actual, expected) <= 1e-5
 
@@ -220,7 +223,7 @@ def test_adam_reference_without_decay_matches_torch_adam(alpha, beta, eps):
     params, grads = random_problem(SIZES)
     expected = run_torch(torch.optim.Adam, SIZES, grads, params, lr=1e-2, betas=(alpha, beta),
                          eps=eps)
-    hyper = dict(ADAM_HYPER, alpha=alpha, beta=beta, epsilon=eps)
+    hyper = replace(ADAM_HYPER, alpha=alpha, beta=beta, epsilon=eps)
     assert rel_err(run_reference("AdamOptimizer", hyper, SIZES, grads, 1e-2, params),
                    expected) <= 1e-5
 
@@ -230,7 +233,7 @@ def test_adam_reference_mode_0_matches_torch_adamw(decay):
     params, grads = random_problem(SIZES)
     expected = run_torch(torch.optim.AdamW, SIZES, grads, params, lr=1e-2, betas=(0.9, 0.999),
                          eps=1e-8, weight_decay=decay)
-    hyper = dict(ADAM_HYPER, lambda_coef=decay)
+    hyper = replace(ADAM_HYPER, lambda_coef=decay)
     assert rel_err(run_reference("AdamOptimizer", hyper, SIZES, grads, 1e-2, params),
                    expected) <= 1e-5
 
@@ -239,13 +242,13 @@ def adam_float64(params, grads_per_step, lr, hyper):
     """The original Adam, transcribed element by element from the legacy spec, in float64."""
     w = params.astype(np.float64)
     m, v = np.zeros_like(w), np.zeros_like(w)
-    a, b, lam, eps = hyper["alpha"], hyper["beta"], hyper["lambda_coef"], hyper["epsilon"]
+    a, b, lam, eps = hyper.alpha, hyper.beta, hyper.lambda_coef, hyper.epsilon
     for t, grads in enumerate(grads_per_step, start=1):
         g = grads.astype(np.float64)
         m = a * m + (1 - a) * g
         v = b * v + (1 - b) * g**2
-        c1, c2 = (1 - a**t, 1 - b**t) if hyper["do_bias_correction"] else (1, 1)
-        if hyper["weight_decay_mode"] == 0:
+        c1, c2 = (1 - a**t, 1 - b**t) if hyper.do_bias_correction else (1, 1)
+        if hyper.weight_decay_mode == 0:
             w = w - lr * ((m / c1) / (np.sqrt(v / c2) + eps) + lam * w)
         else:
             s = lr * np.sqrt(c2) / c1
@@ -255,9 +258,9 @@ def adam_float64(params, grads_per_step, lr, hyper):
 
 
 @pytest.mark.parametrize("hyper", [
-    dict(ADAM_HYPER, lambda_coef=0.1, weight_decay_mode=1),
-    dict(ADAM_HYPER, lambda_coef=0.1, weight_decay_mode=1, do_bias_correction=False),
-    dict(ADAM_HYPER, lambda_coef=0.1, epsilon=1e-3, do_bias_correction=False),
+    replace(ADAM_HYPER, lambda_coef=0.1, weight_decay_mode=1),
+    replace(ADAM_HYPER, lambda_coef=0.1, weight_decay_mode=1, do_bias_correction=False),
+    replace(ADAM_HYPER, lambda_coef=0.1, epsilon=1e-3, do_bias_correction=False),
 ])
 def test_adam_reference_matches_float64_transcription(hyper):
     params, grads = random_problem(SIZES)
@@ -268,27 +271,27 @@ def test_adam_reference_matches_float64_transcription(hyper):
 
 def lamb_float64(params, grads_per_step, lr, hyper, sizes):
     """The original Lamb, tensor by tensor (finite inputs), in float64."""
-    a, b, lam, eps = hyper["alpha"], hyper["beta"], hyper["lambda_coef"], hyper["epsilon"]
+    a, b, lam, eps = hyper.alpha, hyper.beta, hyper.lambda_coef, hyper.epsilon
     tensors = [[w.astype(np.float64), 0.0, 0.0] for w in np.split(params, np.cumsum(sizes)[:-1])]
     for t, grads in enumerate(grads_per_step, start=1):
         for entry, g in zip(tensors, np.split(grads.astype(np.float64), np.cumsum(sizes)[:-1])):
             w, m, v = entry
             m = a * m + (1 - a) * g
             v = b * v + (1 - b) * g * g
-            c1, c2 = (1 - a**t, 1 - b**t) if hyper["do_bias_correction"] else (1, 1)
+            c1, c2 = (1 - a**t, 1 - b**t) if hyper.do_bias_correction else (1, 1)
             d = lam * w + (m / c1) / (np.sqrt(v / c2) + eps)
             w_norm, d_norm = np.linalg.norm(w), np.linalg.norm(d)
             ratio = 1.0
             if w_norm != 0 and d_norm != 0:
-                ratio = max(hyper["ratio_min"], min(hyper["ratio_max"], w_norm / d_norm))
+                ratio = max(hyper.ratio_min, min(hyper.ratio_max, w_norm / d_norm))
             entry[:] = w - lr * ratio * d, m, v
     return np.concatenate([entry[0] for entry in tensors])
 
 
 @pytest.mark.parametrize("hyper", [
-    dict(LAMB_HYPER),
-    dict(LAMB_HYPER, lambda_coef=0.01, do_bias_correction=True),
-    dict(LAMB_HYPER, lambda_coef=0.1, ratio_min=0.5, ratio_max=0.8),
+    LAMB_HYPER,
+    replace(LAMB_HYPER, lambda_coef=0.01, do_bias_correction=True),
+    replace(LAMB_HYPER, lambda_coef=0.1, ratio_min=0.5, ratio_max=0.8),
 ])
 def test_lamb_reference_matches_float64_transcription(hyper):
     params, grads = random_problem(SIZES)
@@ -300,7 +303,7 @@ def test_lamb_reference_matches_float64_transcription(hyper):
 def test_lamb_reference_uses_ratio_1_for_a_zero_norm():
     params = np.array([0.0, 0.0, 1.0, -2.0], np.float32)  # tensor 0 has ||w|| = 0
     grads = np.array([1.0, -1.0, 3.0, 4.0], np.float32)
-    hyper = dict(LAMB_HYPER, ratio_min=5.0, ratio_max=6.0)  # would clamp any real ratio
+    hyper = replace(LAMB_HYPER, ratio_min=5.0, ratio_max=6.0)  # would clamp any real ratio
     expected = lamb_float64(params, [grads], 0.1, hyper, [2, 2])
     actual = run_reference("LambOptimizer", hyper, [2, 2], [grads], 0.1, params)
     assert rel_err(actual, expected) <= 1e-6
@@ -384,7 +387,7 @@ def test_zero_hook_completes_lamb_sums(small_blocks):
     expected = np.add.reduceat(params.astype(np.float64) ** 2, layout.seg_offsets[:-1])
     np.testing.assert_allclose(seen[0], expected, rtol=1e-6)
     for group in layout.groups:  # the clamps of these groups do not bind at this ratio
-        if group.hyper["ratio_max"] < np.inf:
+        if group.hyper.ratio_max < np.inf:
             continue
         part = slice(group.start, group.stop)
         np.testing.assert_allclose(params[part] - hooked_params[part],
@@ -524,24 +527,25 @@ def test_load_state_dict_errors_change_nothing(make_bad, message):
 # ----------------------------------------------------------------------------------------------
 
 def test_from_sizes_builds_contiguous_groups():
-    layout = FlatLayout.from_sizes([[2, 3], [4]], [{"a": 1}, {"a": 2}])
+    other = replace(SGD_HYPER, momentum=0.5)
+    layout = FlatLayout.from_sizes([[2, 3], [4]], [SGD_HYPER, other])
     np.testing.assert_array_equal(layout.seg_offsets, [0, 2, 5, 9])
     assert layout.size == 9
-    assert layout.groups == (GroupSlice(0, 5, 0, 2, {"a": 1}), GroupSlice(5, 9, 2, 3, {"a": 2}))
+    assert layout.groups == (GroupSlice(0, 5, 0, 2, SGD_HYPER), GroupSlice(5, 9, 2, 3, other))
     np.testing.assert_array_equal(layout.local_offsets(layout.groups[1]), [0, 4])
-    with pytest.raises(TypeError):
-        layout.groups[0].hyper["a"] = 3  # read-only
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.groups[0].hyper.momentum = 0.3  # read-only
     with pytest.raises(ValueError):
         layout.seg_offsets[0] = 1  # read-only
 
 
 @pytest.mark.parametrize("sizes,hypers,message", [
-    ([[2]], [{}, {}], "FlatLayout.from_sizes needs one hyperparameter dict per group: got 1 "
-                      "groups and 2 dicts"),
-    ([[2], []], [{}, {}], "sizes_per_group[1] must list at least one tensor, got none"),
-    ([[2, 0]], [{}], "sizes_per_group[0][1] must be an int >= 1, got 0"),
-    ([[2.0]], [{}], "sizes_per_group[0][0] must be an int >= 1, got 2.0"),
-    ([[True]], [{}], "sizes_per_group[0][0] must be an int >= 1, got True"),
+    ([[2]], [SGD_HYPER] * 2, "FlatLayout.from_sizes needs the hyperparameters of each group: got 1 "
+                             "groups and 2 hyperparameters"),
+    ([[2], []], [SGD_HYPER] * 2, "sizes_per_group[1] must list at least one tensor, got none"),
+    ([[2, 0]], [SGD_HYPER], "sizes_per_group[0][1] must be an int >= 1, got 0"),
+    ([[2.0]], [SGD_HYPER], "sizes_per_group[0][0] must be an int >= 1, got 2.0"),
+    ([[True]], [SGD_HYPER], "sizes_per_group[0][0] must be an int >= 1, got True"),
 ])
 def test_from_sizes_errors(sizes, hypers, message):
     with pytest.raises(ValueError, match=re.escape(message) + "$"):
@@ -549,20 +553,20 @@ def test_from_sizes_errors(sizes, hypers, message):
 
 
 @pytest.mark.parametrize("offsets,groups,message", [
-    ([0, 2, 2], [GroupSlice(0, 2, 0, 2, {})],
+    ([0, 2, 2], [GroupSlice(0, 2, 0, 2, SGD_HYPER)],
      "FlatLayout.seg_offsets must be strictly increasing (no empty tensor), got 2 then 2 at "
      "index 1"),
-    ([1, 2], [GroupSlice(1, 2, 0, 1, {})],
+    ([1, 2], [GroupSlice(1, 2, 0, 1, SGD_HYPER)],
      "FlatLayout.seg_offsets must be 1-D, start at 0 and hold at least one segment, "
      "got array([1, 2])"),
     ([0, 2, 5], [], "FlatLayout.groups must hold at least one group, got none"),
-    ([0, 2, 5], [GroupSlice(0, 2, 0, 1, {}), GroupSlice(2, 5, 2, 2, {})],
+    ([0, 2, 5], [GroupSlice(0, 2, 0, 1, SGD_HYPER), GroupSlice(2, 5, 2, 2, SGD_HYPER)],
      "FlatLayout.groups[1] must cover segments [1, k) with k > 1, got [2, 2)"),
-    ([0, 2, 5], [GroupSlice(0, 5, 0, 3, {})],
+    ([0, 2, 5], [GroupSlice(0, 5, 0, 3, SGD_HYPER)],
      "FlatLayout.groups[0].seg_stop must be <= 2 (the number of segments), got 3"),
-    ([0, 2, 5], [GroupSlice(0, 4, 0, 2, {})],
+    ([0, 2, 5], [GroupSlice(0, 4, 0, 2, SGD_HYPER)],
      "FlatLayout.groups[0] must span elements [0, 5) (its segments), got [0, 4)"),
-    ([0, 2, 5], [GroupSlice(0, 2, 0, 1, {})],
+    ([0, 2, 5], [GroupSlice(0, 2, 0, 1, SGD_HYPER)],
      "FlatLayout.groups must cover all 2 segments, they stop at segment 1"),
 ])
 def test_layout_errors(offsets, groups, message):
@@ -570,17 +574,27 @@ def test_layout_errors(offsets, groups, message):
         FlatLayout(np.array(offsets), tuple(groups))
 
 
+def test_typed_hypers_build_each_algorithms_dataclass_from_its_dicts():
+    for name, hyper in [("SGDOptimizer", SGD_HYPER), ("AdamOptimizer", ADAM_HYPER), ("LambOptimizer", LAMB_HYPER)]:
+        other = replace(hyper, lambda_coef=0.5)
+        assert opt.typed_hypers(name, [dataclasses.asdict(hyper), dataclasses.asdict(other)]) == (hyper, other)
+
+
 def test_optimizer_construction_errors():
     with pytest.raises(ValueError, match=re.escape(
             "AdamOptimizer: param group 0 must have exactly the hyperparameters ['alpha', "
             "'beta', 'do_bias_correction', 'epsilon', 'lambda_coef', 'weight_decay_mode']; "
             "missing ['beta'], unexpected ['lambda']")):
-        hyper = {k: v for k, v in ADAM_HYPER.items() if k != "beta"} | {"lambda": 0.0}
-        opt.make_optimizer("AdamOptimizer", FlatLayout.from_sizes([[3]], [hyper]))
+        hyper = {k: v for k, v in dataclasses.asdict(ADAM_HYPER).items() if k != "beta"} | {"lambda": 0.0}
+        opt.typed_hypers("AdamOptimizer", [hyper])
+    with pytest.raises(TypeError, match=re.escape(
+            "AdamOptimizer: param group 0 has hyperparameters of type LambHyper, expected AdamHyper "
+            "(typed_hypers)")):
+        opt.make_optimizer("AdamOptimizer", FlatLayout.from_sizes([[3]], [LAMB_HYPER]))
     with pytest.raises(ValueError, match=re.escape(
             "AdamOptimizer: param group 1: weight_decay_mode must be 0 or 1, got 2")):
         opt.make_optimizer("AdamOptimizer", FlatLayout.from_sizes(
-            [[3], [4]], [ADAM_HYPER, dict(ADAM_HYPER, weight_decay_mode=2)]))
+            [[3], [4]], [ADAM_HYPER, replace(ADAM_HYPER, weight_decay_mode=2)]))
     with pytest.raises(ValueError, match=re.escape(
             "make_optimizer: config_name must be one of ['AdamOptimizer', 'LambOptimizer', "
             "'SGDOptimizer'], got 'Adam'")):

@@ -9,8 +9,9 @@ NumPy buffers) or ``_optimizers.cuda_steps`` ('cuda', CuPy buffers). Both follow
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from . import cpu, cuda_steps
 from .flat import FlatLayout
+from .hyper import AdamHyper, Hyper, LambHyper, SGDHyper
 
 #: A flat buffer: a NumPy array on the CPU, a CuPy array on CUDA (CuPy is optional: no type to name).
 Array = Any
@@ -53,7 +55,7 @@ class FlatOptimizer:
 
     Args:
         layout: where tensors and param groups sit in the flat buffers; each group's ``hyper``
-            must hold exactly the algorithm's ``hyper_names``.
+            is the algorithm's ``hyper_type`` (``typed_hypers``).
         device: 'cpu' or 'cuda' (the current CUDA device). The buffers given to ``step`` must be
             flat float32 arrays of the layout's size: NumPy on the CPU, CuPy on CUDA.
     """
@@ -61,19 +63,14 @@ class FlatOptimizer:
     config_name: str  # the original's optimizer name, as in the configs
     family: str  # names the algorithm's layout table and step in each implementation
     state_names: tuple[str, ...]
-    hyper_names: frozenset[str]
+    hyper_type: type[Hyper]
 
     def __init__(self, layout: FlatLayout, device: str = "cpu") -> None:
         implementation, xp = implementation_of(device, type(self).__name__)
         for index, group in enumerate(layout.groups):
-            missing = sorted(self.hyper_names - group.hyper.keys())
-            unexpected = sorted(group.hyper.keys() - self.hyper_names)
-            if missing or unexpected:
-                raise ValueError(
-                    f"{self.config_name}: param group {index} must have exactly the "
-                    f"hyperparameters {sorted(self.hyper_names)}; missing {missing}, "
-                    f"unexpected {unexpected}")
-        for index, group in enumerate(layout.groups):
+            if not isinstance(group.hyper, self.hyper_type):
+                raise TypeError(f"{self.config_name}: param group {index} has hyperparameters of type "
+                                f"{type(group.hyper).__name__}, expected {self.hyper_type.__name__} (typed_hypers)")
             self._check_group(index, group.hyper)
         self.layout = layout
         self.device = device
@@ -107,8 +104,8 @@ class FlatOptimizer:
         if self._counters is not None:
             self._counters[0] = float(value)
 
-    def _check_group(self, index: int, hyper: Mapping) -> None:
-        """Rejects hyperparameter values the algorithm cannot run (names are checked already)."""
+    def _check_group(self, index: int, hyper: Any) -> None:
+        """Rejects hyperparameter values the algorithm cannot run (``hyper`` is a ``hyper_type``)."""
 
     def step(self, params: Array, grads: Array, lr: float, grad_divisor: float | Array = 1.0,
              lr_table: Array | None = None) -> None:
@@ -187,7 +184,7 @@ class SGD(FlatOptimizer):
     config_name = "SGDOptimizer"
     family = "sgd"
     state_names = ("momentum",)
-    hyper_names = frozenset({"momentum", "nesterov", "lambda_coef", "dampening"})
+    hyper_type = SGDHyper
 
     def _step(self, params, grads, *, lr, grad_divisor, lr_table):
         self.implementation.sgd_step(self._table, params, grads, self.state["momentum"], lr=lr,
@@ -201,14 +198,13 @@ class Adam(FlatOptimizer):
     config_name = "AdamOptimizer"
     family = "adam"
     state_names = ("exp_avg", "exp_avg_sq")
-    hyper_names = frozenset({"alpha", "beta", "lambda_coef", "epsilon", "do_bias_correction",
-                             "weight_decay_mode"})
+    hyper_type = AdamHyper
 
-    def _check_group(self, index, hyper):
-        if hyper["weight_decay_mode"] not in (0, 1):
+    def _check_group(self, index: int, hyper: AdamHyper) -> None:
+        if hyper.weight_decay_mode not in (0, 1):
             raise ValueError(
                 f"{self.config_name}: param group {index}: weight_decay_mode must be 0 or 1, "
-                f"got {hyper['weight_decay_mode']!r}")
+                f"got {hyper.weight_decay_mode!r}")
 
     def _step(self, params, grads, *, lr, grad_divisor, lr_table):
         self.implementation.adam_step(self._table, params, grads, self.state["exp_avg"],
@@ -227,8 +223,7 @@ class Lamb(FlatOptimizer):
     config_name = "LambOptimizer"
     family = "lamb"
     state_names = ("exp_avg", "exp_avg_sq")
-    hyper_names = frozenset({"alpha", "beta", "lambda_coef", "epsilon", "ratio_min", "ratio_max",
-                             "do_bias_correction"})
+    hyper_type = LambHyper
 
     def __init__(self, layout: FlatLayout, device: str = "cpu", *, segment_sums: SegmentSums | None = None) -> None:
         if segment_sums is not None and device == "cuda":
@@ -257,6 +252,21 @@ def _algorithm(config_name: str, where: str) -> type[FlatOptimizer]:
 def make_optimizer(config_name: str, layout: FlatLayout, device: str = "cpu") -> FlatOptimizer:
     """The flat optimizer for an optimizer config's ``name`` ('SGDOptimizer', ...) on ``device``."""
     return _algorithm(config_name, "make_optimizer")(layout, device)
+
+
+def typed_hypers(config_name: str, hypers: Sequence[Mapping[str, Any]]) -> tuple[Hyper, ...]:
+    """The hyperparameters of each param group (validated dicts of ORT's names, as a config resolves
+    them) as the algorithm's ``hyper_type``, for ``FlatLayout``: built once, read by attribute."""
+    hyper_type = _algorithm(config_name, "typed_hypers").hyper_type
+    names = {field.name for field in dataclasses.fields(hyper_type)}
+    for index, hyper in enumerate(hypers):
+        missing, unexpected = sorted(names - hyper.keys()), sorted(hyper.keys() - names)
+        if missing or unexpected:
+            raise ValueError(
+                f"{config_name}: param group {index} must have exactly the "
+                f"hyperparameters {sorted(names)}; missing {missing}, "
+                f"unexpected {unexpected}")
+    return tuple(hyper_type(**hyper) for hyper in hypers)
 
 
 def state_names(config_name: str) -> tuple[str, ...]:

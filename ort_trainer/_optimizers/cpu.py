@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .flat import FlatLayout, GroupSlice
+from .hyper import AdamHyper
 from .reference import clip_divisor_from_norm, trust_ratio
 
 FAMILIES = ("sgd", "adam", "lamb")
@@ -144,11 +145,11 @@ def sgd_step(table: LayoutTable, params: np.ndarray, grads: np.ndarray, momentum
     _counted_on_the_host("sgd_step", counters, lr_table)
     for hyper, w, g, buf in _views_by_block(table, (params, grads, momentum), float(grad_divisor),
                                             whole_group=lambda hyper: True):
-        coefficient = hyper["momentum"]
+        coefficient = hyper.momentum
         torch._fused_sgd_(
             [w], [g], [buf] if coefficient else [],
-            weight_decay=hyper["lambda_coef"], momentum=coefficient, lr=lr,
-            dampening=hyper["dampening"], nesterov=bool(coefficient and hyper["nesterov"]),
+            weight_decay=hyper.lambda_coef, momentum=coefficient, lr=lr,
+            dampening=hyper.dampening, nesterov=bool(coefficient and hyper.nesterov),
             maximize=False, is_first_step=first_step)
 
 
@@ -157,10 +158,10 @@ def sgd_step(table: LayoutTable, params: np.ndarray, grads: np.ndarray, momentum
 # ----------------------------------------------------------------------------------------------
 
 
-def _adam_is_fused(hyper) -> bool:
+def _adam_is_fused(hyper: AdamHyper) -> bool:
     """Mode 0 with bias correction: torch's fused AdamW kernel computes the original's math
     (epsilon after the corrected sqrt(v), decay lr*lambda*w on the old weight)."""
-    return hyper["weight_decay_mode"] == 0 and bool(hyper["do_bias_correction"])
+    return hyper.weight_decay_mode == 0 and bool(hyper.do_bias_correction)
 
 
 def adam_step(table: LayoutTable, params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray,
@@ -176,17 +177,17 @@ def adam_step(table: LayoutTable, params: np.ndarray, grads: np.ndarray, exp_avg
         if _adam_is_fused(hyper):
             torch._fused_adamw_(
                 [w], [g], [m], [v], [], [table.step_tensor],
-                lr=lr, beta1=hyper["alpha"], beta2=hyper["beta"],
-                weight_decay=hyper["lambda_coef"], eps=hyper["epsilon"],
+                lr=lr, beta1=hyper.alpha, beta2=hyper.beta,
+                weight_decay=hyper.lambda_coef, eps=hyper.epsilon,
                 amsgrad=False, maximize=False)
             continue
-        alpha, beta = hyper["alpha"], hyper["beta"]
-        decay, eps = hyper["lambda_coef"], hyper["epsilon"]
-        c1, c2 = (1 - alpha**step, 1 - beta**step) if hyper["do_bias_correction"] else (1.0, 1.0)
+        alpha, beta = hyper.alpha, hyper.beta
+        decay, eps = hyper.lambda_coef, hyper.epsilon
+        c1, c2 = (1 - alpha**step, 1 - beta**step) if hyper.do_bias_correction else (1.0, 1.0)
         m.lerp_(g, 1 - alpha)  # alpha*m + (1-alpha)*g in one op
         v.mul_(beta).addcmul_(g, g, value=1 - beta)
         denom = torch.sqrt(v, out=table.block_buffer(1, w.numel()))
-        if hyper["weight_decay_mode"] == 0:
+        if hyper.weight_decay_mode == 0:
             if c2 != 1.0:
                 denom.mul_(1 / math.sqrt(c2))
             denom.add_(eps)  # sqrt(v/c2) + eps
@@ -253,10 +254,10 @@ def _lamb_direction_pass(table, index, group, flat, step, grad_divisor, params_s
                          direction_sumsq):
     """New moments and direction d; adds each tensor's squared norms of w and d to the sums."""
     hyper = group.hyper
-    alpha, beta = hyper["alpha"], hyper["beta"]
-    decay, eps = hyper["lambda_coef"], hyper["epsilon"]
+    alpha, beta = hyper.alpha, hyper.beta
+    decay, eps = hyper.lambda_coef, hyper.epsilon
     params, grads, exp_avg, exp_avg_sq = flat
-    fused = bool(hyper["do_bias_correction"]) and eps > 0
+    fused = bool(hyper.do_bias_correction) and eps > 0
 
     for block in table.lamb_blocks[index]:
         w, m, v, d = (tensor[block.start:block.stop]
@@ -278,7 +279,7 @@ def _lamb_direction_pass(table, index, group, flat, step, grad_divisor, params_s
         torch.mul(v, beta, out=new_v).addcmul_(g, g, value=1 - beta)
         # d = lambda*w + (m/c1) / (sqrt(v/c2) + eps), as m / (c1/sqrt(c2)*sqrt(v) + c1*eps)
         denom = torch.sqrt(new_v, out=d)
-        if hyper["do_bias_correction"]:
+        if hyper.do_bias_correction:
             c1, c2 = 1 - alpha**step, 1 - beta**step
             denom.mul_(c1 / math.sqrt(c2)).add_(c1 * eps)
         else:
@@ -304,7 +305,7 @@ def _lamb_update_pass(table, index, group, params, lr, params_sumsq, direction_s
     """w -= lr * ratio * d, the trust ratio from each tensor's norms."""
     hyper = group.hyper
     step_sizes = lr * trust_ratio(params_sumsq, direction_sumsq,
-                                  hyper["ratio_min"], hyper["ratio_max"])
+                                  hyper.ratio_min, hyper.ratio_max)
     largest_result = np.sqrt(params_sumsq) + np.abs(step_sizes) * np.sqrt(direction_sumsq)
     all_finite = bool(np.all(largest_result < _SAFE_MAGNITUDE))  # False for inf, nan
     for block in table.lamb_blocks[index]:

@@ -4,6 +4,8 @@ tensor), built from a flat layout (`group_table`, `chunk_table`). Pure NumPy: te
 CuPy or a GPU."""
 import numpy as np
 
+from .hyper import HYPER_TYPES, AdamHyper, Hyper, SGDHyper
+
 #: Mirrors of common.cuh's ORT_BLOCK, ORT_CHUNK, ORT_MAX_PARTIALS (checked by the compile test).
 BLOCK = 256
 CHUNK = 16384
@@ -33,26 +35,27 @@ GROUP_FIELDS = {
 }
 
 
-def _hyper_values(family: str, hyper) -> dict:
+def _hyper_values(hyper: Hyper) -> dict[str, float | int]:
     """The OrtGroup fields of one group (derived values computed in double, then rounded)."""
-    if family == "sgd":
-        return {"MOMENTUM": float(hyper["momentum"]),
-                "ONE_MINUS_DAMPENING": 1.0 - float(hyper["dampening"]),
-                "LAMBDA": float(hyper["lambda_coef"]),
-                "NESTEROV": int(bool(hyper["nesterov"]))}
-    alpha, beta = float(hyper["alpha"]), float(hyper["beta"])
-    values = {"ALPHA": alpha, "ONE_MINUS_ALPHA": 1.0 - alpha, "BETA": beta,
-              "ONE_MINUS_BETA": 1.0 - beta, "LAMBDA": float(hyper["lambda_coef"]),
-              "EPSILON": float(hyper["epsilon"]), "ALPHA_D": alpha, "BETA_D": beta,
-              "BIAS_CORRECTION": int(bool(hyper["do_bias_correction"]))}
-    if family == "adam":
-        mode = int(hyper["weight_decay_mode"])
+    if isinstance(hyper, SGDHyper):
+        return {"MOMENTUM": float(hyper.momentum),
+                "ONE_MINUS_DAMPENING": 1.0 - float(hyper.dampening),
+                "LAMBDA": float(hyper.lambda_coef),
+                "NESTEROV": int(bool(hyper.nesterov))}
+    alpha, beta = float(hyper.alpha), float(hyper.beta)
+    values: dict[str, float | int] = {
+        "ALPHA": alpha, "ONE_MINUS_ALPHA": 1.0 - alpha, "BETA": beta,
+        "ONE_MINUS_BETA": 1.0 - beta, "LAMBDA": float(hyper.lambda_coef),
+        "EPSILON": float(hyper.epsilon), "ALPHA_D": alpha, "BETA_D": beta,
+        "BIAS_CORRECTION": int(bool(hyper.do_bias_correction))}
+    if isinstance(hyper, AdamHyper):
+        mode = int(hyper.weight_decay_mode)
         if mode not in (0, 1):
-            raise ValueError(f"weight_decay_mode must be 0 or 1, got {hyper['weight_decay_mode']!r}")
+            raise ValueError(f"weight_decay_mode must be 0 or 1, got {hyper.weight_decay_mode!r}")
         values["DECAY_MODE"] = mode
     else:
-        values["RATIO_MIN"] = float(hyper["ratio_min"])
-        values["RATIO_MAX"] = float(hyper["ratio_max"])
+        values["RATIO_MIN"] = float(hyper.ratio_min)
+        values["RATIO_MAX"] = float(hyper.ratio_max)
     return values
 
 
@@ -67,11 +70,10 @@ def group_table(layout, family: str) -> np.ndarray:
             raise ValueError(f"layout.groups[{index}] must be a non-empty range starting at "
                              f"{expected_start}, got [{group.start}, {group.stop})")
         expected_start = group.stop
-        try:
-            values = _hyper_values(family, group.hyper)
-        except KeyError as error:
-            raise ValueError(f"layout.groups[{index}].hyper lacks {error.args[0]!r}, needed by the "
-                             f"{family} kernels") from None
+        if not isinstance(group.hyper, HYPER_TYPES[family]):
+            raise ValueError(f"layout.groups[{index}].hyper is {type(group.hyper).__name__}, the {family} "
+                             f"kernels need {HYPER_TYPES[family].__name__}")
+        values = _hyper_values(group.hyper)
         row = table[index]
         row["start"], row["stop"] = group.start, group.stop
         for name, (field, k) in GROUP_FIELDS[family].items():

@@ -3,14 +3,14 @@ buffers, and the torch parameters that view them."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 import torch
 
 from .._export.trace import graph_name
+from .hyper import Hyper
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,7 @@ class GroupSlice:
     stop: int  # one past the last element
     seg_start: int  # index of the group's first segment (tensor)
     seg_stop: int  # one past its last segment
-    hyper: Mapping[str, float | int | bool]  # the group's hyperparameters, read-only
-
-    def __post_init__(self):
-        object.__setattr__(self, "hyper", MappingProxyType(dict(self.hyper)))
+    hyper: Hyper  # the group's hyperparameters (``algorithms.typed_hypers``)
 
 
 @dataclass(frozen=True)
@@ -73,17 +70,17 @@ class FlatLayout:
 
     @classmethod
     def from_sizes(cls, sizes_per_group: Sequence[Sequence[int]],
-                   hypers: Sequence[Mapping]) -> FlatLayout:
+                   hypers: Sequence[Hyper]) -> FlatLayout:
         """Lays tensors out in the order given: group after group, tensor after tensor.
 
         Args:
             sizes_per_group: for each param group, the element count of each of its tensors.
-            hypers: for each param group, its hyperparameters.
+            hypers: for each param group, its hyperparameters (``algorithms.typed_hypers``).
         """
         if len(sizes_per_group) != len(hypers):
             raise ValueError(
-                f"FlatLayout.from_sizes needs one hyperparameter dict per group: got "
-                f"{len(sizes_per_group)} groups and {len(hypers)} dicts")
+                f"FlatLayout.from_sizes needs the hyperparameters of each group: got "
+                f"{len(sizes_per_group)} groups and {len(hypers)} hyperparameters")
         for group_index, sizes in enumerate(sizes_per_group):
             if len(sizes) == 0:
                 raise ValueError(f"sizes_per_group[{group_index}] must list at least one tensor, "
@@ -130,7 +127,7 @@ class FlatParameters:
     """
 
     def __init__(self, named_parameters, groups, xp=np):
-        """named_parameters: {torch name: torch parameter}; groups: [(torch names, hyperparameters)]."""
+        """named_parameters: {torch name: torch parameter}; groups: [(torch names, Hyper)]."""
         self.torch_names = [name for names, _ in groups for name in names]
         self.names = [graph_name(name) for name in self.torch_names]
         sizes = [[named_parameters[name].numel() for name in names] for names, _ in groups]

@@ -9,45 +9,45 @@ temporaries allowed: they document the math and are the oracle of the fast imple
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-
 import numpy as np
+
+from .hyper import AdamHyper, LambHyper, SGDHyper
 
 
 def sgd_reference(params: np.ndarray, grads: np.ndarray, momentum_buf: np.ndarray, *, step: int, lr: float,
-                  hyper: Mapping, grad_divisor: float = 1.0) -> None:
+                  hyper: SGDHyper, grad_divisor: float = 1.0) -> None:
     """torch.optim.SGD's update; ``step`` is the 1-based update index (the buffer starts at g)."""
     g = grads / grad_divisor
-    if hyper["lambda_coef"]:
-        g = g + hyper["lambda_coef"] * params
-    momentum = hyper["momentum"]
+    if hyper.lambda_coef:
+        g = g + hyper.lambda_coef * params
+    momentum = hyper.momentum
     if momentum:
         if step == 1:
             momentum_buf[...] = g
         else:
-            momentum_buf[...] = momentum * momentum_buf + (1 - hyper["dampening"]) * g
-        g = g + momentum * momentum_buf if hyper["nesterov"] else momentum_buf
+            momentum_buf[...] = momentum * momentum_buf + (1 - hyper.dampening) * g
+        g = g + momentum * momentum_buf if hyper.nesterov else momentum_buf
     params -= lr * g
 
 
 def adam_reference(params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, *,
-                   step: int, lr: float, hyper: Mapping, grad_divisor: float = 1.0) -> None:
+                   step: int, lr: float, hyper: AdamHyper, grad_divisor: float = 1.0) -> None:
     """The original AdamOptimizer; ``step`` is t, starting at 1.
 
     weight_decay_mode 0 ("PyTorch AdamW"): torch.optim.Adam for lambda 0, torch.optim.AdamW with
     weight_decay=lambda otherwise. weight_decay_mode 1 ("HuggingFace"): epsilon is added to the
     uncorrected sqrt(v), and the decay applies to the already-updated weight.
     """
-    alpha, beta = hyper["alpha"], hyper["beta"]
-    decay, eps = hyper["lambda_coef"], hyper["epsilon"]
+    alpha, beta = hyper.alpha, hyper.beta
+    decay, eps = hyper.lambda_coef, hyper.epsilon
     g = grads / grad_divisor
     exp_avg[...] = alpha * exp_avg + (1 - alpha) * g
     exp_avg_sq[...] = beta * exp_avg_sq + (1 - beta) * g * g
-    if hyper["do_bias_correction"]:
+    if hyper.do_bias_correction:
         c1, c2 = 1 - alpha**step, 1 - beta**step
     else:
         c1 = c2 = 1.0
-    if hyper["weight_decay_mode"] == 0:
+    if hyper.weight_decay_mode == 0:
         params -= lr * ((exp_avg / c1) / (np.sqrt(exp_avg_sq / c2) + eps) + decay * params)
     else:
         step_size = lr * math.sqrt(c2) / c1
@@ -56,7 +56,7 @@ def adam_reference(params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray, e
 
 
 def lamb_reference(params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, *,
-                   step: int, lr: float, hyper: Mapping, grad_divisor: float = 1.0,
+                   step: int, lr: float, hyper: LambHyper, grad_divisor: float = 1.0,
                    seg_offsets: np.ndarray) -> None:
     """The original LambOptimizer; ``step`` is t, starting at 1.
 
@@ -65,9 +65,9 @@ def lamb_reference(params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray, e
     original kernels: where the direction d is not finite, d = 0 and the moments keep their old
     values; where the new weight is not finite, the weight keeps its old value.
     """
-    alpha, beta = hyper["alpha"], hyper["beta"]
-    decay, eps = hyper["lambda_coef"], hyper["epsilon"]
-    if hyper["do_bias_correction"]:
+    alpha, beta = hyper.alpha, hyper.beta
+    decay, eps = hyper.lambda_coef, hyper.epsilon
+    if hyper.do_bias_correction:
         c1, c2 = 1 - alpha**step, 1 - beta**step
     else:
         c1 = c2 = 1.0
@@ -84,7 +84,7 @@ def lamb_reference(params: np.ndarray, grads: np.ndarray, exp_avg: np.ndarray, e
         starts, sizes = seg_offsets[:-1], np.diff(seg_offsets)
         ratio = trust_ratio(np.add.reduceat(np.square(params, dtype=np.float64), starts),
                              np.add.reduceat(np.square(direction, dtype=np.float64), starts),
-                             hyper["ratio_min"], hyper["ratio_max"])
+                             hyper.ratio_min, hyper.ratio_max)
         new_params = params - (lr * np.repeat(ratio, sizes)).astype(params.dtype) * direction
         params[...] = np.where(np.isfinite(new_params), new_params, params)
 

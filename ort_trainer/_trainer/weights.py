@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from .._export.trace import graph_name
+from .._optimizers.algorithms import typed_hypers
 from .._optimizers.flat import FlatParameters
 from . import checkpoint as _checkpoint
 
@@ -60,6 +61,8 @@ class TrainerWeights:
             raise ValueError("the model has no trainable parameter used by its forward/loss")
         groups = [(names, hyper) for names, hyper in
                   self._optim_config.resolve_groups(trainable, set(named) - set(trainable)) if names]
+        groups = list(zip([names for names, _ in groups],
+                          typed_hypers(self._optim_config.name, [hyper for _, hyper in groups])))
         with placement.allocating():
             self.flat = FlatParameters(named, groups, placement.xp)
             self.optimizer = distributed.make_optimizer(self._optim_config.name, self.flat)

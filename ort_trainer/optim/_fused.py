@@ -20,6 +20,7 @@ import math
 import numpy as np
 import torch
 
+from .._optimizers.hyper import AdamHyper, LambHyper
 from ._fused_base import FusedOptimizer, check_bool, check_real
 
 __all__ = ["FusedAdam", "FusedLamb"]
@@ -65,9 +66,9 @@ class FusedAdam(FusedOptimizer):
 
     def _flat_hyper(self, group):
         beta1, beta2 = group["betas"]
-        return dict(alpha=float(beta1), beta=float(beta2), epsilon=float(group["eps"]),
-                    lambda_coef=float(group["weight_decay"]) if self.adam_w_mode else 0.0,
-                    do_bias_correction=group["bias_correction"], weight_decay_mode=0)
+        return AdamHyper(alpha=float(beta1), beta=float(beta2), epsilon=float(group["eps"]),
+                         lambda_coef=float(group["weight_decay"]) if self.adam_w_mode else 0.0,
+                         do_bias_correction=group["bias_correction"], weight_decay_mode=0)
 
     def state_dict(self):
         """torch.optim's, each group with ``decoupled_weight_decay`` = ``adam_w_mode``: without it
@@ -149,9 +150,9 @@ class FusedLamb(FusedOptimizer):
         beta1, beta2 = group["betas"]
         decay = float(group["weight_decay"])
         ratio_min, ratio_max = (0.0, math.inf) if self.use_nvlamb or decay else (1.0, 1.0)
-        return dict(alpha=float(beta1), beta=float(beta2), epsilon=float(group["eps"]),
-                    lambda_coef=decay, ratio_min=ratio_min, ratio_max=ratio_max,
-                    do_bias_correction=group["bias_correction"])
+        return LambHyper(alpha=float(beta1), beta=float(beta2), epsilon=float(group["eps"]),
+                         lambda_coef=decay, ratio_min=ratio_min, ratio_max=ratio_max,
+                         do_bias_correction=group["bias_correction"])
 
     def _prepare(self, store, present):
         """The clip divisor: the norm counts the gradients of this step only."""

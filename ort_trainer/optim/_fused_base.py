@@ -7,6 +7,7 @@ import numbers
 import numpy as np
 import torch
 
+from .._optimizers.hyper import Hyper
 from ._flat_store import STATE_KEYS, FlatStore, runs
 
 
@@ -89,8 +90,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 seen.add(p)
                 device = p.device
 
-    def _flat_hyper(self, group) -> dict:
-        """The implementation's hyperparameters (ORT's names) of one valid param group."""
+    def _flat_hyper(self, group) -> Hyper:
+        """The implementation's hyperparameters (ORT's names, typed) of one valid param group."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from ort_trainer._optimizers import cuda_steps as K  # noqa: E402
-from ort_trainer._optimizers.algorithms import clip_divisor, make_optimizer  # noqa: E402
+from ort_trainer._optimizers.algorithms import clip_divisor, make_optimizer, typed_hypers  # noqa: E402
 from ort_trainer._optimizers.flat import FlatLayout  # noqa: E402
 from ort_trainer._optimizers.reference import adam_reference, lamb_reference, sgd_reference  # noqa: E402
 
@@ -84,7 +84,7 @@ def make_layout(name, family, seed=0):
         flat = rng.integers(1, 5000, size=150).tolist()
         sizes = [flat[:40], flat[40:41], flat[41:149], flat[149:]]
     hypers = [HYPERS[family][k % len(HYPERS[family])] for k in range(len(sizes))]
-    return FlatLayout.from_sizes(sizes, hypers)
+    return FlatLayout.from_sizes(sizes, typed_hypers(CONFIG_NAMES[family], hypers))
 
 
 def random_problem(layout, family, rng):
@@ -284,7 +284,7 @@ def test_lamb_nonfinite_direction_and_zero_norms():
     """Non-finite d: d = 0 and the moments keep their values; a tensor of zero weights or zero
     direction gets ratio 1; non-finite new weights are not stored."""
     layout = FlatLayout.from_sizes([[5, 300, 17], [1030, 3]],
-                                   [HYPERS["lamb"][0], HYPERS["lamb"][1]])
+                                   typed_hypers("LambOptimizer", [HYPERS["lamb"][0], HYPERS["lamb"][1]]))
     rng = np.random.default_rng(3)
     w, g, state = random_problem(layout, "lamb", rng)
     g[2] = np.inf  # tensor 0

@@ -16,7 +16,7 @@ cupy = pytest.importorskip("cupy")
 from ort_trainer import optim  # noqa: E402
 from ort_trainer._optimizers import cpu as host_kernels  # noqa: E402
 from ort_trainer._optimizers import cuda_steps as K  # noqa: E402
-from ort_trainer._optimizers.algorithms import make_optimizer  # noqa: E402
+from ort_trainer._optimizers.algorithms import make_optimizer, typed_hypers  # noqa: E402
 from ort_trainer._optimizers.flat import FlatLayout  # noqa: E402
 from ort_trainer._trainer.device_scaling import DeviceScaling, runs_on_device  # noqa: E402
 from ort_trainer._trainer.train_step_info import TrainStepInfo  # noqa: E402
@@ -109,7 +109,7 @@ class Device:
 
 
 def layout_for(name):
-    return FlatLayout.from_sizes(SIZES, [HYPERS[name]] * len(SIZES))
+    return FlatLayout.from_sizes(SIZES, typed_hypers(name, [HYPERS[name]] * len(SIZES)))
 
 
 @pytest.mark.parametrize("with_scheduler", [False, True])
