@@ -141,7 +141,7 @@ class FlatOptimizer:
         """Restores a ``state_dict()``: validates everything first, so a bad one changes nothing."""
         prefix = f"{self.config_name}.load_state_dict"
         if not isinstance(state_dict, Mapping) or set(state_dict) != {"step_count", "state"}:
-            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)
+            keys: object = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)
             raise ValueError(f"{prefix}: expected keys ['state', 'step_count'], got {keys}")
         step_count = state_dict["step_count"]
         if (not isinstance(step_count, numbers.Integral) or isinstance(step_count, bool)

@@ -329,7 +329,10 @@ def loss_scaler_update(divisor, counters, graph_scale, *, up_scale_window: int, 
     does (``automatic``) in ``counters`` and in the fp32 0-d ``graph_scale`` the graph reads."""
     cp = require_cupy()
     where = "loss_scaler_update"
-    device_id = counters.device.id if isinstance(counters, cp.ndarray) else None
+    if not isinstance(counters, cp.ndarray):  # required here: the update is counted in them
+        raise TypeError(f"{where}: counters must be the float64 cupy array device_counters returned, "
+                        f"got {describe(counters)}")
+    device_id = counters.device.id
     _float64_pointer(cp, where, "counters", counters, device_id, len(COUNTERS))
     divisor_ptr, _ = device_scalar(cp, where, "divisor", divisor, device_id)
     check_float32(cp, where, "graph_scale", graph_scale, 1, device_id)

@@ -274,4 +274,8 @@ def test_argument_checks():
                                         "returned, got 2.0"):
         K.loss_scaler_update(2.0, counters, cupy.zeros((), dtype=np.float32), up_scale_window=1, min_loss_scale=1.0,
                              max_loss_scale=8.0, automatic=True)
+    with pytest.raises(TypeError, match="loss_scaler_update: counters must be the float64 cupy array device_counters "
+                                        "returned, got builtins.NoneType"):
+        K.loss_scaler_update(cupy.ones(1), None, cupy.zeros((), dtype=np.float32), up_scale_window=1,
+                             min_loss_scale=1.0, max_loss_scale=8.0, automatic=True)
     np.testing.assert_array_equal(counters.get(), [0.0, 0.0, 1.0, 4.0])
