@@ -234,11 +234,12 @@ def test_transformers_trainer_gradient_checkpointing_runs_in_the_graph(tmp_path)
     assert losses["ort"] == pytest.approx(losses["torch"], abs=1.01e-4)  # Trainer logs 4 decimals
 
 
-def test_graphs_with_recompute_copies_run_in_priority_order_without_skip_layer_norm_fusion():
+def test_training_graphs_run_in_priority_order_and_those_with_recompute_copies_without_skip_layer_norm_fusion():
     """ONNX Runtime's default order ran every segment's copies before the first weight gradient
-    (the copies of all segments alive at once: the 8-block benchmark's peak 1,251 -> 654 MiB);
-    SkipLayerNormFusion would fuse a copy's residual Add and LayerNormalization, whose gradient
-    then lacks its saved mean (`_runtime.session_config`)."""
+    (the copies of all segments alive at once: the 8-block benchmark's peak 1,251 -> 654 MiB), and
+    without checkpointing every input gradient before the first weight gradient (every layer's
+    output gradients held to the end); SkipLayerNormFusion would fuse a copy's residual Add and
+    LayerNormalization, whose gradient then lacks its saved mean (`_runtime.session_config`)."""
     def options(form):
         torch.manual_seed(0)
         model = ORTModule(Blocks(form))
@@ -249,4 +250,6 @@ def test_graphs_with_recompute_copies_run_in_priority_order_without_skip_layer_n
     checkpointed, plain = options("non_reentrant"), options(None)
     assert checkpointed.execution_order == onnxruntime.ExecutionOrder.PRIORITY_BASED
     assert checkpointed.get_session_config_entry("optimization.disable_specified_optimizers") == "SkipLayerNormFusion"
-    assert plain.execution_order == onnxruntime.ExecutionOrder.DEFAULT
+    assert plain.execution_order == onnxruntime.ExecutionOrder.PRIORITY_BASED
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        plain.get_session_config_entry("optimization.disable_specified_optimizers")

@@ -26,7 +26,8 @@ class ModuleRunner:
                  optimized_model_path: str | None = None, priority_order: bool = False) -> None:
         self._sessions, self._random = sessions, draws_random_numbers
         self._first_run = sessions.first_run()
-        self._session = sessions.create(model, optimized_model_path=optimized_model_path, priority_order=priority_order)
+        self._session = sessions.create(model, optimized_model_path=optimized_model_path, priority_order=priority_order,
+                                        weight_gradients_early=trains)
         placement = sessions.placement
         device = C.OrtDevice(C.OrtDevice.cuda() if placement.ort_device == "cuda" else C.OrtDevice.cpu(),
                              C.OrtDevice.default_memory(), placement.index)

@@ -47,11 +47,17 @@ class Sessions:
         self.memory = memory_policy(placement.torch_device, settings.mem_limit, self.providers)
         self.faster_in_torch = _products_faster_in_torch(placement, settings)
 
-    def session_options(self, *, priority_order: bool = False) -> onnxruntime.SessionOptions:
+    def session_options(self, *, priority_order: bool = False,
+                        weight_gradients_early: bool = False) -> onnxruntime.SessionOptions:
         """A new SessionOptions of these settings (the user's own object when they gave one);
         `priority_order`: in PRIORITY_BASED order whatever the settings say (a graph with recompute
-        copies scheduled for it, `_graph.recompute`)."""
+        copies scheduled for it, `_graph.recompute`). `weight_gradients_early`: in PRIORITY_BASED
+        order alone (an ORTModule training graph): ONNX Runtime's default order ran every input
+        gradient of the backward before the first weight gradient, holding every layer's output
+        gradients and activations until the end (BENCHMARKS.md, gradient checkpointing)."""
         options = quiet_session_options()
+        if weight_gradients_early:
+            options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
         options.log_severity_level = self._settings.log_severity
         options.intra_op_num_threads = self._settings.threads
         options.use_deterministic_compute = self._settings.deterministic
@@ -63,13 +69,13 @@ class Sessions:
         settings = dataclasses.replace(self._settings, priority_order=True) if priority_order else self._settings
         return session_options_from(settings, options, entries)
 
-    def create(self, model: bytes, *, optimized_model_path: str | None = None,
-               priority_order: bool = False) -> onnxruntime.InferenceSession:
+    def create(self, model: bytes, *, optimized_model_path: str | None = None, priority_order: bool = False,
+               weight_gradients_early: bool = False) -> onnxruntime.InferenceSession:
         """An InferenceSession of `model` (serialized). A CUDA session ONNX Runtime silently built
         for the CPU (its CUDA provider library failed to load) would fail later, obscurely, on
         device pointers: refused here, by name. `optimized_model_path`: where ONNX Runtime writes
-        the graph it runs (debugging); `priority_order`: see `session_options`."""
-        options = self.session_options(priority_order=priority_order)
+        the graph it runs (debugging); `priority_order`, `weight_gradients_early`: see `session_options`."""
+        options = self.session_options(priority_order=priority_order, weight_gradients_early=weight_gradients_early)
         if optimized_model_path is not None:
             options.optimized_model_filepath = optimized_model_path
         if _runs_torch_nodes(model):  # the graph runs torch kernels (`_runtime.torch_ops`)
