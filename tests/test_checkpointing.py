@@ -13,6 +13,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from ort_trainer import ORTTrainer, optim
+from ort_trainer._onnx import torch_node_operator
+from ort_trainer._runtime import product_speed
+from ort_trainer._torch_node_catalogue import MATRIX_PRODUCT
 from ort_trainer.ortmodule import DebugOptions, ORTModule
 
 STEPS = 5
@@ -111,6 +114,19 @@ def test_checkpointed_blocks_train_like_eager_and_are_recomputed_in_the_backward
     for name, node in kept.items():  # no activation inside a segment: its outputs and dropout masks only
         assert (node.op_type == "Add" and name.endswith("/Add_1_output_0")) or (
             node.op_type == "Dropout" and name == node.output[1]), (name, node.op_type)
+
+
+@pytest.mark.parametrize("form", [None, "non_reentrant"])
+def test_products_torch_runs_faster_stay_in_onnx_runtime_where_segments_are_recomputed(form, tmp_path, monkeypatch):
+    """Their outputs in torch's heap beside ONNX Runtime's arena doubled a checkpointed step's peak."""
+    monkeypatch.setattr(product_speed, "torch_product_faster", lambda form, threads: True)
+    torch.manual_seed(0)
+    graph = _saved_graph(tmp_path, monkeypatch)
+    model = ORTModule(Blocks(form), debug_options=_debug)
+    model(_batches()[0]).backward()
+    products = [node for node in graph().graph.node if node.op_type in ("MatMul", "Gemm", "FusedMatMul")]
+    moved = [node for node in graph().graph.node if torch_node_operator(node) == MATRIX_PRODUCT]
+    assert (bool(products), bool(moved)) == ((False, True) if form is None else (True, False))
 
 
 def test_memory_opt_level_1_recomputes_every_layer_but_the_last_and_trains_like_eager(tmp_path, monkeypatch):

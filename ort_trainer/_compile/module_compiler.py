@@ -177,8 +177,10 @@ def compile_parts(model: torch.nn.Module, binding: InputBinding, values: dict[st
     statistics.describe(model_proto)
     substitute = kernel_substitutions(sessions.placement.ort_device)
     if substitute is not None:
-        # each rewrite finds its nodes in either kind
-        substitute(model_proto, model_proto, faster_in_torch=sessions.faster_in_torch)
+        # each rewrite finds its nodes in either kind. Products torch runs faster stay in ONNX Runtime
+        # where segments are recomputed: their outputs in torch's heap beside the arena doubled a
+        # checkpointed step's peak (BENCHMARKS.md, gradient checkpointing); checkpointing asks for memory
+        substitute(model_proto, model_proto, faster_in_torch=None if recomputed else sessions.faster_in_torch)
     full_shape_grads = gradients_in_full_shape(model_proto)  # after the substitutions, which free some
     graph_outputs = [o.name for o in model_proto.graph.output]  # the gradients, or the forward's outputs
     reaching = read_by_backward = None
