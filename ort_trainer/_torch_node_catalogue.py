@@ -85,6 +85,8 @@ SOFTMAX_GRAD_TO_BF16 = _declare("softmax_grad_to_bf16", gradient=BUILT_GRAPHS_ON
 MATRIX_PRODUCT = _declare("matrix_product", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
 # a tied embedding's rows added to the weight's other gradient (`_graph.tied_embedding_gradient`)
 ROWS_ADDED = _declare("embedding_rows_added", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
+# torch's native_layer_norm_backward for ONNX Runtime's LayerNormalizationGrad
+LAYER_NORM_GRAD = _declare("layer_norm_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
 GELU_GRAD = _declare("tanh_gelu_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)  # torch's gelu_backward
 # torch's backward where the CPU provider has no ResizeGrad, ConvTransposeGrad kernel
 RESIZE_GRAD = _declare("resize_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)

@@ -81,7 +81,7 @@ def test_low_precision_model_benchmark_runs(tmp_path):
 
 
 def test_label_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path):
-    result, _ = _run("label_sparsity.py", "--vocab", "40", "--width", "32", "--heads", "2",
+    result, _ = _run("label_sparsity.py", "--vocab", "1024", "--width", "32", "--heads", "2",  # sparse from 1,024
         "--batch", "2", "--seq", "8", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
         tmp_path=tmp_path)
     assert set(result["median_ms_per_step"]) == {"dense", "sparse", "eager"}

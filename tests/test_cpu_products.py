@@ -16,7 +16,7 @@ from ort_trainer._graph.cpu_products import MATRIX_PRODUCT, matrix_products_in_t
 from ort_trainer._onnx import torch_node_operator, torch_node_params_of
 from ort_trainer._runtime import product_speed
 from ort_trainer._runtime.torch_ops import register_executor
-from ort_trainer._torch_node_catalogue import ROWS_ADDED
+from ort_trainer._torch_node_catalogue import LAYER_NORM_GRAD, ROWS_ADDED
 from ort_trainer.ortmodule import DebugOptions, ORTModule
 
 from . import models
@@ -214,8 +214,8 @@ def test_a_language_model_with_every_product_in_torch_trains_as_eager(every_prod
                                                                        monkeypatch):
     """GPT-2 under ORTModule: the vocabulary projection (a batch of rows by the tied embedding,
     transposed) and its input gradient (the builder's FusedMatMul) run in torch too, and the
-    embedding's rows are added to the tied weight's gradient in place (`_graph.tied_embedding_gradient`);
-    losses and every gradient equal eager's."""
+    embedding's rows are added to the tied weight's gradient in place (`_graph.tied_embedding_gradient`),
+    the layer norms' gradients are torch's; losses and every gradient equal eager's."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -242,4 +242,6 @@ def test_a_language_model_with_every_product_in_torch_trains_as_eager(every_prod
     graph = onnx.load(tmp_path / "gpt2_optimized_training.onnx").graph
     [added] = [node for node in graph.node if torch_node_operator(node) == ROWS_ADDED]
     assert added.output[0] == "model.transformer.wte.weight_grad" and torch_node_params_of(added) == {"in_place": True}
+    assert sum(torch_node_operator(node) == LAYER_NORM_GRAD for node in graph.node) == 3  # ln_1, ln_2, ln_f
+    assert not any(node.op_type == "LayerNormalizationGrad" for node in graph.node)
     assert (False, False, 16, 40, 16) in every_product_in_torch  # its input gradient, dY W

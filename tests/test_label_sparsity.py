@@ -15,12 +15,20 @@ from torch import nn
 
 from examples.wikitext2.train import make_loss_fn
 from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer._graph import label_sparsity
 from ort_trainer._graph.label_sparsity import gather_labelled_rows
 from ort_trainer.ortmodule import DebugOptions
 
 from . import models
 
 VOCAB, WIDTH = 40, 16
+
+
+@pytest.fixture(autouse=True)
+def small_vocabularies_count(monkeypatch):
+    """These tests' vocabularies are small; the rewrite applies from `MIN_CLASSES` classes (a
+    vocabulary), which `test_a_classifier_head_stays_dense` checks."""
+    monkeypatch.setattr(label_sparsity, "MIN_CLASSES", min(VOCAB, models.VOCAB))
 DESC = {"inputs": [("ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
         "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])]}
 
@@ -397,3 +405,13 @@ def test_the_rewritten_loss_equals_the_dense_one_for_every_reduction(reduction):
     results = [onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
                .run(None, feeds)[0] for model in (sparse, dense)]
     assert results[0] == pytest.approx(results[1], nan_ok=True)
+
+
+def test_a_classifier_head_stays_dense(monkeypatch):
+    """Under `MIN_CLASSES` classes the rows' count known at run time would cost ONNX Runtime its
+    memory pattern for more than the rows save: the graph stays dense."""
+    monkeypatch.setattr(label_sparsity, "MIN_CLASSES", VOCAB + 1)
+    assert gather_labelled_rows(_hand_written(), ["loss"]) == 0
+    monkeypatch.setattr(label_sparsity, "MIN_CLASSES", VOCAB)
+    assert gather_labelled_rows(_hand_written(), ["loss"]) == 1
+

@@ -100,7 +100,11 @@ CASE_LOSS_RTOL = {"cnn": 5e-4}
 # The CNN's BatchNorm runs on autocast's fp16 convolution output in torch's fp16 CPU kernel, which
 # computes differently by CPU: on an Intel Xeon with AVX512-FP16 the 10 SGD steps end 1.6e-2 from
 # ours (eager fp32 ends 8e-4 from autocast there), on AMD EPYC (AVX2) within 1e-2.
-CASE_WEIGHT_RTOL = {"cnn": 2e-2}
+# The seed model's 10 emulated-fp16 SGD steps end 0.28-0.65% from autocast's with ONNX Runtime's
+# LayerNormalizationGrad (2 or 1 threads) and 1.1-1.4% with torch's (eager's own kernel, which the
+# graph now runs): which fp16 roundings flip moves with any change in rounding order; in fp32 both
+# kernels end within 4e-7 of eager.
+CASE_WEIGHT_RTOL = {"cnn": 2e-2, "seed": 2e-2}
 
 
 def _loss_of(model, loss_fn, args, kwargs):

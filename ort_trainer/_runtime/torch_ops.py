@@ -32,9 +32,9 @@ from .._export.autograd_functions import function_call
 from .._onnx import in_operand_order
 from .._torch_node_catalogue import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION,
                                      AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD,
-                                     FUNCTION, FUNCTION_GRAD, GELU_GRAD, LOG_SOFTMAX_FP32, MATRIX_PRODUCT, PRODUCT,
-                                     PRODUCT_GRAD, RESIZE_GRAD, ROWS_ADDED, SOFTMAX_GRAD_TO_BF16, TO_BF16,
-                                     TO_FP32)
+                                     FUNCTION, FUNCTION_GRAD, GELU_GRAD, LAYER_NORM_GRAD, LOG_SOFTMAX_FP32,
+                                     MATRIX_PRODUCT, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD, ROWS_ADDED,
+                                     SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32)
 from .cpu_buffers import converted, empty
 from .product_kernels import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
                               rows_added, softmax_grad_to_bf16)
@@ -300,6 +300,15 @@ class FunctionContexts:
             _contexts.pop(number, None)
 
 
+def _layer_norm_grad(inputs, params):
+    """ONNX Runtime's LayerNormalizationGrad (dY, X, scale, saved mean, saved inverse std) as torch's
+    backward of layer_norm: [dX, dscale, dbias]."""
+    grad, x, scale, mean, inv_std = inputs
+    found = torch.ops.aten.native_layer_norm_backward(grad, x, x.shape[params["axis"] % x.dim():], mean, inv_std,
+                                                      scale, scale, [True, True, True])  # (bias: its shape is read)
+    return list(found)
+
+
 #: operator (`_torch_node_catalogue`) -> implementation(list of input tensors, params) -> list of output tensors
 IMPLEMENTATIONS = {
     RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
@@ -314,7 +323,7 @@ IMPLEMENTATIONS = {
     GELU_GRAD: lambda inputs, params: [torch.ops.aten.gelu_backward.grad_input(  # dy, x (+ the bias, if any)
         inputs[0], inputs[1] + inputs[2] if len(inputs) > 2 else inputs[1], approximate="tanh",
         grad_input=empty(inputs[0].shape, torch.float32))],
-    SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16, ROWS_ADDED: rows_added,
+    SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16, ROWS_ADDED: rows_added, LAYER_NORM_GRAD: _layer_norm_grad,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
 
