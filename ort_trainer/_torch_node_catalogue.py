@@ -81,6 +81,7 @@ TO_BF16 = _declare("to_bf16", gradient=STOP_GRADIENT)
 TO_FP32 = _declare("to_fp32", gradient=BUILT_GRAPHS_ONLY)  # a Cast from bf16
 LOG_SOFTMAX_FP32 = _declare("log_softmax_fp32", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)  # bf16 logits
 SOFTMAX_GRAD_TO_BF16 = _declare("softmax_grad_to_bf16", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
+SOFTMAX_GRAD = _declare("softmax_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)  # the same in fp32
 # an fp32 product torch's kernel computes faster than ONNX Runtime's
 MATRIX_PRODUCT = _declare("matrix_product", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
 # a tied embedding's rows added to the weight's other gradient (`_graph.tied_embedding_gradient`)

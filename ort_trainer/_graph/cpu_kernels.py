@@ -25,6 +25,7 @@ from .cpu_products import matrix_products_in_torch
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes, substitute_torch_kernels
 from .bf16_products import bf16_casts_in_torch, bf16_logits_into_loss, bf16_outputs_from_products
+from .loss_gradient import softmax_grads_in_torch
 from .tied_embedding_gradient import rows_into_weight_gradients
 
 
@@ -54,6 +55,7 @@ def substitute_cpu_kernels(training, evaluation, *, faster_in_torch=None):
     if faster_in_torch is not None:
         for model in {id(training): training, id(evaluation): evaluation}.values():
             matrix_products_in_torch(model, faster_in_torch)
+        softmax_grads_in_torch(training)  # after bf16_logits_into_loss, which takes the bf16 losses' gradients
     rows_into_weight_gradients(training)  # after the products that write the weights' gradients went to torch
 
 

@@ -155,9 +155,20 @@ def softmax_grad_to_bf16(inputs, params):
     A fifth input, the bf16 gradient of an output these values are also the gradient of (ORTModule's
     returned logits), is added in bf16 as autocast's autograd sums two bf16 gradients: of the
     result's size (in any shape), or a scalar (an unused output's zero adds nothing)."""
+    return [_softmax_gradient(inputs, torch.bfloat16, "softmax_grad_to_bf16")]
+
+
+def softmax_grad(inputs, params):
+    """The same gradient in fp32 (`_graph.loss_gradient`): one pass over the rows in place of ONNX
+    Runtime's Exp, Mul and, for ORTModule's returned logits, the Add of their gradient (a scalar
+    zero when the user's loss did not read them: nothing added)."""
+    return [_softmax_gradient(inputs, torch.float32, "softmax_grad")]
+
+
+def _softmax_gradient(inputs, dtype, name):
     log_prob, index, at_label, row_scale, *added = inputs
-    result = empty(log_prob.shape, torch.bfloat16)
-    added = _added_gradient(added[0], log_prob.shape) if added else None
+    result = empty(log_prob.shape, dtype)
+    added = _added_gradient(added[0], log_prob.shape, name) if added else None
     block = empty((min(_ROWS, log_prob.shape[0]), *log_prob.shape[1:]), torch.float32)
     for start in range(0, log_prob.shape[0], _ROWS):
         stop = min(start + _ROWS, log_prob.shape[0])
@@ -166,15 +177,16 @@ def softmax_grad_to_bf16(inputs, params):
                   out=result[start:stop])
         if added is not None:
             result[start:stop].add_(added[start:stop])
-    return [result]
+    return result
 
 
-def _added_gradient(gradient, shape):
-    """`gradient` as added to a result of `shape` (`softmax_grad_to_bf16`): None for a scalar zero."""
+def _added_gradient(gradient, shape, name):
+    """`gradient` as added to a result of `shape` (`softmax_grad_to_bf16`, `softmax_grad`): None for a
+    scalar zero."""
     if gradient.dim() == 0:
         return gradient.expand(shape) if bool(gradient) else None
     if gradient.numel() != math.prod(shape):
-        raise ValueError(f"softmax_grad_to_bf16: a gradient of shape {list(gradient.shape)} added to a result of shape "
+        raise ValueError(f"{name}: a gradient of shape {list(gradient.shape)} added to a result of shape "
                          f"{list(shape)}: it must have the result's size or be a scalar")
     return gradient.reshape(shape)
 

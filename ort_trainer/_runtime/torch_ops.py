@@ -34,10 +34,10 @@ from .._torch_node_catalogue import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, 
                                      AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD,
                                      FUNCTION, FUNCTION_GRAD, GELU_GRAD, LAYER_NORM_GRAD, LOG_SOFTMAX_FP32,
                                      MATRIX_PRODUCT, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD, ROWS_ADDED,
-                                     SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32)
+                                     SOFTMAX_GRAD, SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32)
 from .cpu_buffers import converted, empty
 from .product_kernels import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
-                              rows_added, softmax_grad_to_bf16)
+                              rows_added, softmax_grad, softmax_grad_to_bf16)
 
 
 class TorchOpError(RuntimeError):
@@ -323,7 +323,8 @@ IMPLEMENTATIONS = {
     GELU_GRAD: lambda inputs, params: [torch.ops.aten.gelu_backward.grad_input(  # dy, x (+ the bias, if any)
         inputs[0], inputs[1] + inputs[2] if len(inputs) > 2 else inputs[1], approximate="tanh",
         grad_input=empty(inputs[0].shape, torch.float32))],
-    SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16, ROWS_ADDED: rows_added, LAYER_NORM_GRAD: _layer_norm_grad,
+    SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16, SOFTMAX_GRAD: softmax_grad, ROWS_ADDED: rows_added,
+    LAYER_NORM_GRAD: _layer_norm_grad,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
 
