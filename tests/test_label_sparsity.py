@@ -343,12 +343,16 @@ def test_ortmodule_of_a_loss_without_its_logits_trains_like_eager(monkeypatch, t
     _assert_same(ours, _eager_steps(module, batches), rtol=1e-5, atol=1e-6)
 
 
-def test_ortmodule_returning_the_logits_stays_dense(monkeypatch, tmp_path):
-    """The caller gets the logits of every position (a Hugging Face model's output holds them)."""
+def test_ortmodule_returning_the_logits_computes_its_loss_on_the_kept_rows(monkeypatch, tmp_path):
+    """The caller gets the logits of every position (a Hugging Face model's output holds them): the
+    projection stays dense, one torch node that also gives the loss the kept rows
+    (tests/test_label_sparsity_logits.py)."""
     torch.manual_seed(0)
     module, batches = LossOnly(with_logits=True), _batches(["half", "scattered"])
     ours = _ortmodule_steps(monkeypatch, tmp_path, module, batches)
+    graph = onnx.load(tmp_path / "lm_optimized_training.onnx").graph
     assert not _head_reads_gathered_rows(tmp_path / "lm_optimized_training.onnx")
+    assert sum(node.name.endswith("/label_sparsity/projection") for node in graph.node) == 1
     _assert_same(ours, _eager_steps(module, batches), rtol=1e-5, atol=1e-6)
 
 

@@ -35,7 +35,7 @@ from .._graph.cpu_low_precision import low_precision_in_fp32
 from .._graph.embedding_sparsity import Outcome, drop_padding_rows
 from .._graph.gradient_builder_preparation import (NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient,
                                                    weights_as_inputs)
-from .._graph.label_sparsity import gather_labelled_rows
+from .._graph.label_sparsity import gather_labelled_rows, returned_scores_gradient_scalar
 from .._graph.module_graph_builder import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
                                     gradients_in_full_shape, outputs_reaching, outputs_read_by_backward)
 from .._graph.recompute import module_groups, recompute_in_backward
@@ -142,14 +142,15 @@ def compile_parts(model: torch.nn.Module, binding: InputBinding, values: dict[st
                  and parameters[by_graph_name[name]].requires_grad]
     weights_as_inputs(exported, weights)
     declare_torch_node_outputs(exported)
-    if settings.label_sparsity:  # where forward() returns the loss without the logits
-        gather_labelled_rows(exported, outputs)
+    inputs_requiring_grad = [i.name for i in exported.graph.input
+                             if needs_grad and i.name in values and values[i.name].requires_grad]
+    if settings.label_sparsity:  # fp32 graphs also where forward() returns the logits
+        gather_labelled_rows(exported, outputs, returned_scores=compute_dtype is None,
+                             differentiable=trainable + inputs_requiring_grad)
     # per embedding with a padding_idx: made sparse, or why not (the density report says)
     sparse_embeddings = [dataclasses.replace(outcome, weight=by_graph_name[outcome.weight])
                          for outcome in drop_padding_rows(exported, weights)] if settings.embedding_sparsity else []
     widened = device_type == "cpu" and low_precision_in_fp32(exported)
-    inputs_requiring_grad = [i.name for i in exported.graph.input
-                             if needs_grad and i.name in values and values[i.name].requires_grad]
     if compute_dtype is not None:
         lower_precision(exported, compute_dtype, device_type=device_type,
                         differentiable=trainable + inputs_requiring_grad)
@@ -168,6 +169,8 @@ def compile_parts(model: torch.nn.Module, binding: InputBinding, values: dict[st
         pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
         log=lambda message: _info(settings, message))
     model_proto = built.model
+    if needs_grad:  # unused logits of a LABELLED_PROJECTION: a scalar zero, its backward on the kept rows
+        returned_scores_gradient_scalar(model_proto)
     recomputed = needs_grad and recompute_in_backward(model_proto, built.forward,
                                                       module_groups(model, settings.layer_recompute))
     if recomputed:
