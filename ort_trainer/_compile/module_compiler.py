@@ -1,6 +1,6 @@
 """ORTModule's compile stage: one input signature of the wrapped model, compiled. The model exported
 (every module in its own train/eval state), training-mode BatchNorms rewritten, label sparsity
-(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss but not its logits), embedding sparsity
+(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss; its logits too in fp32), embedding sparsity
 (ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER), the graph fixes,
 ONNX Runtime's ORTModule graph builder, the device's kernel substitutions, then a runner (a
 `TrainingAgent`, or an inference session for calls without gradients).

@@ -7,6 +7,13 @@ the projection to a vocabulary and the log-softmax over it are most of a small l
 step, and eager PyTorch computes them for every position. The exported forward is rewritten
 before ONNX Runtime's gradient builder, which then differentiates through the Gather (GatherGrad
 scatters the kept rows' gradients back, the others stay zero: what the dense graph computes).
+
+ORTModule's models often return the logits too (Hugging Face's outputs hold them): every row's
+scores are then computed, but the loss still reads the kept rows only (its log-softmax falls with
+them), and the projection's gradients run on those rows where the user's loss leaves the logits
+unused: one LABELLED_PROJECTION torch node (`_runtime.labelled_projection`) whose gradient node
+decides at run time, from the shape of the logits' gradient (ORTModule's scalar zero for an unused
+output, `returned_scores_gradient_scalar`), dense where the user's loss reads them.
 """
 from __future__ import annotations
 

@@ -46,7 +46,9 @@ def labelled_projection(inputs, params):
         if params["alpha"] != 1.0:
             scores.mul_(params["alpha"])
     leading = in_operand_order(inputs, params)[0].shape[:-1]
-    return [scores.view(*leading, scores.shape[1]), scores.index_select(0, rows)]
+    # the kept rows into the first rows of a buffer of the scores' shape: pooled whatever their count
+    kept = torch.index_select(scores, 0, rows, out=_empty(scores.shape, flat)[:rows.shape[0]])
+    return [scores.view(*leading, scores.shape[1]), kept]
 
 
 def labelled_projection_grad(inputs, params):
@@ -64,7 +66,8 @@ def labelled_projection_grad(inputs, params):
             raise ValueError(f"labelled_projection_grad: the returned scores' gradient has shape {list(returned.shape)} "
                              f"for scores of {flat.shape[0]} rows x {weight.shape[1]} classes (expected their shape, "
                              "or a scalar zero)")
-        grad, source = dense.reshape(flat.shape[0], weight.shape[1]).index_add(0, rows, kept), flat
+        grad = _empty((flat.shape[0], weight.shape[1]), flat).copy_(dense.reshape(flat.shape[0], weight.shape[1]))
+        grad, source = grad.index_add_(0, rows, kept), flat
     results = []
     for operand in (params["operands"][k] for k in params["wanted"]):
         if operand == 0:  # the input: grad @ weight^T, scattered back to its rows when they are the kept ones
