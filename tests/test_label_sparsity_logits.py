@@ -7,6 +7,7 @@ PyTorch's and the dense graph's, over AdamW steps, ignored-label patterns (none,
 shapes reusing their graphs; each test checks which path ran (the node in the graph, the kind of
 logits gradient its backward kernel received)."""
 import copy
+import logging
 
 import onnx
 import onnxruntime
@@ -232,3 +233,14 @@ def test_the_kernels_equal_torch_autograd_of_the_projection(trans_b, bias, alpha
                                      {**params, "wanted": wanted})
     for ours, theirs in zip(found, expected):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_the_density_report_says_the_loss_runs_on_the_labelled_rows(monkeypatch, tmp_path, caplog):
+    model, (ids, labels) = _gpt2(), _batches(["half"])[0]
+    with caplog.at_level(logging.INFO, logger="ort_trainer.ortmodule"):
+        _wrapped(model, monkeypatch, tmp_path, ORTMODULE_PRINT_INPUT_DENSITY="1")(input_ids=ids, labels=labels)
+    reports = [record.getMessage() for record in caplog.records if "input density" in record.getMessage()]
+    # GPT-2 shifts its labels by a Pad, which moves positions: they are not traced back to the input
+    assert len(reports) == 1 and reports[0].endswith(
+        "; the cross-entropy reading labels computed in forward(): the loss on the labelled rows, the returned "
+        "logits dense (the projection's gradients on those rows where the logits go unused)")

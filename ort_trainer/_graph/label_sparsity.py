@@ -23,6 +23,7 @@ import onnx
 
 from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes, torch_node, torch_node_operator
 from .._torch_node_catalogue import LABELLED_PROJECTION, LABELLED_PROJECTION_GRAD
+from .input_density import input_behind
 from .torch_nodes import needing_gradient, reached_first, replace_nodes
 
 # Ops between the projection and the loss that compute each row from that row alone.
@@ -65,6 +66,29 @@ def gather_labelled_rows(model: onnx.ModelProto, fetched: Collection[str], *, re
                               tensors, differentiable)
         rewritten += 1
     return rewritten
+
+
+def described_losses(model: onnx.ModelProto) -> list[str]:
+    """For ORTModule's density report: of each cross-entropy with an ignore_index of the exported
+    forward `model` after `gather_labelled_rows`, a line saying what it computes on the labelled rows
+    or that it stayed dense, naming the input its labels come from where they come from one."""
+    producers = {output: node for node in model.graph.node for output in node.output}
+    inputs = {value.name for value in model.graph.input}
+    lines = []
+    for loss in (node for node in model.graph.node if _is_candidate(node)):
+        labels, scores = loss.input[1], producers.get(loss.input[0])
+        sparse = labels.endswith("/label_sparsity/labels") and labels in producers
+        source = input_behind(producers[labels].input[0] if sparse else labels, producers, inputs)
+        name = f"the cross-entropy reading {source or 'labels computed in forward()'}"
+        if not sparse:
+            lines.append(f"{name} stayed dense (its scores are not a projection's that only the loss reads, or are "
+                         "returned under autocast)")
+        elif scores is not None and torch_node_operator(scores) == LABELLED_PROJECTION:
+            lines.append(f"{name}: the loss on the labelled rows, the returned logits dense (the projection's "
+                         "gradients on those rows where the logits go unused)")
+        else:
+            lines.append(f"{name}: the projection and the loss on the labelled rows")
+    return lines
 
 
 def returned_scores_gradient_scalar(model: onnx.ModelProto) -> int:
