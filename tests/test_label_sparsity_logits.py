@@ -165,42 +165,56 @@ def test_bf16_autocast_keeps_todays_dense_graph(monkeypatch, tmp_path):
     assert _labelled_nodes(tmp_path) == []
 
 
-def _hand_written(fetched_after_bias=True):
-    """hidden [6, WIDTH] @ weight + bias -> scores (an output) -> SoftmaxCrossEntropyLoss(ignore_index=-100)."""
+def _hand_written(product="matmul", fetched="scores"):
+    """hidden [6, WIDTH] by weight (a MatMul, or a Gemm of weight^T with alpha 0.5, beta 2 and its C:
+    `product` "gemm", "gemm without C"), a bias Add after it unless Gemm has C ("gemm" only), the
+    scores an output -> SoftmaxCrossEntropyLoss(ignore_index=-100)."""
     make, value = onnx.helper.make_node, onnx.helper.make_tensor_value_info
+    if product == "matmul":
+        nodes = [make("MatMul", ["hidden", "weight"], ["product"])]
+    else:
+        nodes = [make("Gemm", ["hidden", "weight_t", *(["bias"] if product == "gemm" else [])], ["product"],
+                      transB=1, alpha=0.5, beta=2.0)]
+    nodes.append(make("Identity" if product == "gemm" else "Add", ["product", "bias"][:1 if product == "gemm" else 2],
+                      ["scores"]))
+    nodes.append(make("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"], ignore_index=-100))
     graph = onnx.helper.make_graph(
-        [make("MatMul", ["hidden", "weight"], ["product"]), make("Add", ["product", "bias"], ["scores"]),
-         make("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"], ignore_index=-100)],
-        "hand_written",
+        nodes, "hand_written",
         [value("hidden", onnx.TensorProto.FLOAT, [6, WIDTH]), value("labels", onnx.TensorProto.INT64, [6]),
-         value("weight", onnx.TensorProto.FLOAT, [WIDTH, VOCAB]), value("bias", onnx.TensorProto.FLOAT, [VOCAB])],
-        [value("loss", onnx.TensorProto.FLOAT, None),
-         value("scores" if fetched_after_bias else "product", onnx.TensorProto.FLOAT, [6, VOCAB])])
+         value("weight", onnx.TensorProto.FLOAT, [WIDTH, VOCAB]), value("weight_t", onnx.TensorProto.FLOAT, [VOCAB, WIDTH]),
+         value("bias", onnx.TensorProto.FLOAT, [VOCAB])],
+        [value("loss", onnx.TensorProto.FLOAT, None), value(fetched, onnx.TensorProto.FLOAT, [6, VOCAB])])
     return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 14)], ir_version=7)
 
 
 def test_returned_scores_are_rewritten_only_where_exact():
     """The fetched tensor must be the projection's result with its bias: fetched before the bias Add,
-    the node's output would not be it. ORTTrainer's call (no `returned_scores`) keeps them dense."""
+    the node's output would not be it; a Gemm's C and a bias Add after it both: refused. ORTTrainer's
+    call (no `returned_scores`) keeps them dense."""
     assert gather_labelled_rows(_hand_written(), ["loss", "scores"]) == 0
-    assert gather_labelled_rows(_hand_written(fetched_after_bias=False), ["loss", "product"],
-                                returned_scores=True) == 0
-    sparse, dense = _hand_written(), _hand_written()
+    assert gather_labelled_rows(_hand_written(fetched="product"), ["loss", "product"], returned_scores=True) == 0
+    both = _hand_written("gemm")
+    both.graph.node[1].CopyFrom(onnx.helper.make_node("Add", ["product", "bias"], ["scores"]))
+    assert gather_labelled_rows(both, ["loss", "scores"], returned_scores=True) == 0
+
+
+@pytest.mark.parametrize("product", ["matmul", "gemm", "gemm without C"])
+def test_the_rewritten_graph_returns_the_dense_scores_and_loss(product):
+    """A Gemm's beta scales its C only (not a bias Add after it); every pattern of ignored labels."""
+    sparse, dense = _hand_written(product), _hand_written(product)
     assert gather_labelled_rows(sparse, ["loss", "scores"], returned_scores=True) == 1
     assert [node.op_type for node in sparse.graph.node][-2:] == ["ATen", "SoftmaxCrossEntropyLoss"]
     generator = torch.Generator().manual_seed(3)
-    feeds = {"hidden": torch.randn(6, WIDTH, generator=generator).numpy(),
-             "labels": torch.tensor([-100, 3, -100, 7, 1, -100]).numpy(),
-             "weight": torch.randn(WIDTH, VOCAB, generator=generator).numpy(),
-             "bias": torch.randn(VOCAB, generator=generator).numpy()}
+    feeds = {name: torch.randn(*shape, generator=generator).numpy() for name, shape in (
+        ("hidden", (6, WIDTH)), ("weight", (WIDTH, VOCAB)), ("weight_t", (VOCAB, WIDTH)), ("bias", (VOCAB,)))}
     torch_ops.register_executor()
     for labels in ([-100, 3, -100, 7, 1, -100], [-100] * 6, [1, 2, 3, 4, 5, 6]):
         feeds["labels"] = torch.tensor(labels).numpy()
         with torch_ops.raising_torch_op_errors():
             results = [onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-                       .run(None, feeds) for model in (sparse, dense)]
+                       .run(None, {i.name: feeds[i.name] for i in model.graph.input}) for model in (sparse, dense)]
         for ours, theirs in zip(*results):
-            torch.testing.assert_close(torch.from_numpy(ours), torch.from_numpy(theirs), rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(torch.from_numpy(ours), torch.from_numpy(theirs), rtol=1e-5, atol=1e-5,
                                        equal_nan=True)
 
 

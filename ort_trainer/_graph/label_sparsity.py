@@ -205,11 +205,13 @@ def _projection_chain(graph, loss, tensors, fetched, *, returned_scores):
 def _returned_exactly(chain, returned, tensors):
     """Whether the fetched tensor `returned` is the projection's result (its bias added) as the
     LABELLED_PROJECTION node computes it: everything on the chain float32, so that its Casts and
-    Identities change no value, `returned` written by the projection or a row-wise node after its
-    bias Add (not by the flattening Reshape)."""
+    Identities change no value, one bias at most (Gemm's or an Add's), `returned` written by the
+    projection or a row-wise node after its bias Add (not by the flattening Reshape)."""
     names = [node.input[0] for node in chain[:1]] + [node.input[1] for node in chain[:1]] + [
         node.output[0] for node in chain]
     if any(tensors.get(name, (None,))[0] != onnx.TensorProto.FLOAT for name in names):
+        return False
+    if len([name for name in chain[0].input[2:] if name]) + sum(node.op_type == "Add" for node in chain) > 1:
         return False
     writer = next((k for k, node in enumerate(chain) if node.output[0] == returned), None)
     return writer is not None and all(node.op_type in _ROW_WISE for node in chain[writer + 1:])
@@ -281,7 +283,8 @@ def _rewrite_returned(model, loss, chain, returned, tensors, differentiable):
     projection, classes = chain[0], _dims(tensors, loss.input[0])[1]
     attributes = node_attributes(projection)
     value = projection.output[0]
-    biases = list(projection.input[2:])
+    biases = [name for name in projection.input[2:] if name]  # Gemm's C, scaled by its beta
+    beta = float(attributes.get("beta", 1.0)) if biases else 1.0
     for node in chain[1:]:  # the bias Add's other input
         if node.op_type == "Add":
             biases.append(node.input[1] if node.input[0] == value else node.input[0])
@@ -298,8 +301,8 @@ def _rewrite_returned(model, loss, chain, returned, tensors, differentiable):
     kept_scores = p + "kept_scores"
     nodes = [*_kept_rows_and_labels(loss.input[1], node_attributes(loss)["ignore_index"], p),
              torch_node(LABELLED_PROJECTION, listed, [returned, kept_scores], name=p + "projection", params={
-                 "trans_b": trans_b, "alpha": float(attributes.get("alpha", 1.0)),
-                 "beta": float(attributes.get("beta", 1.0)), "operands": order, "differentiable_outputs": 2})]
+                 "trans_b": trans_b, "alpha": float(attributes.get("alpha", 1.0)), "beta": beta, "operands": order,
+                 "differentiable_outputs": 2})]
     labels_type = tensors[loss.input[1]][0]
     loss.input[0], loss.input[1] = kept_scores, p + "labels"
     removed = {node.output[0] for node in (*chain, *([transpose] if folded else []))}  # outputs name nodes
