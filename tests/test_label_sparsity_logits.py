@@ -21,9 +21,10 @@ from ort_trainer._runtime.labelled_projection import labelled_projection, labell
 from ort_trainer._torch_node_catalogue import LABELLED_PROJECTION, LABELLED_PROJECTION_GRAD
 from ort_trainer.ortmodule import DebugOptions
 
+from .test_label_sparsity import VOCAB, WIDTH, _labels  # "half", "all", "scattered" or "none" ignored
+
 transformers = pytest.importorskip("transformers")
 
-VOCAB, WIDTH = 48, 16
 SHAPES = ((2, 8), (3, 6))
 
 
@@ -41,14 +42,7 @@ def _batches(patterns):
     for step, pattern in enumerate(patterns):
         batch, seq = SHAPES[step % len(SHAPES)]
         ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
-        labels = torch.randint(0, VOCAB, (batch, seq), generator=generator)
-        if pattern == "half":
-            labels[:, : seq // 2] = -100
-        elif pattern == "all":
-            labels[:] = -100
-        elif pattern == "scattered":
-            labels[torch.rand(batch, seq, generator=generator) < 0.6] = -100
-        batches.append((ids, labels))
+        batches.append((ids, _labels(pattern, generator, batch, seq)))
     return batches
 
 
