@@ -12,7 +12,7 @@ graph computes, to float rounding.
 
 Operands in op order (`params['operands']` lists them reordered, `_onnx.in_operand_order`): the
 projection's input ([..., width]: its rows flattened), its weight ([width, classes], or
-[classes, width] with `trans_b`), the kept rows (int64 positions in the flattened rows), and an
+[classes, width] with `trans_b`), the kept rows (int64 positions in the flattened rows, each once), and an
 optional per-class bias; `alpha` scales the product and `beta` the bias, as ONNX's Gemm.
 """
 import torch
@@ -70,10 +70,10 @@ def labelled_projection_grad(inputs, params):
         grad, source = grad.index_add_(0, rows, kept), flat
     results = []
     for operand in (params["operands"][k] for k in params["wanted"]):
-        if operand == 0:  # the input: grad @ weight^T, scattered back to its rows when they are the kept ones
+        if operand == 0:  # the input: grad @ weight^T, written to its rows when they are the kept ones
             found = torch.mm(grad, weight.mT)
-            if source is not flat:
-                found = torch.zeros_like(flat).index_add_(0, rows, found)
+            if source is not flat:  # the rows differ from each other (torch's index_add_ is slower here)
+                found = torch.zeros_like(flat).index_copy_(0, rows, found)
             results.append(_scaled(found, params["alpha"]).view(hidden.shape))
         elif operand == 1:  # the weight: source^T @ grad, or its transpose
             found = _empty((weight.shape[1], weight.shape[0]) if params["trans_b"] else weight.shape, flat)
