@@ -175,7 +175,8 @@ def _hand_written(product="matmul", fetched="scores"):
     graph = onnx.helper.make_graph(
         nodes, "hand_written",
         [value("hidden", onnx.TensorProto.FLOAT, [6, WIDTH]), value("labels", onnx.TensorProto.INT64, [6]),
-         value("weight", onnx.TensorProto.FLOAT, [WIDTH, VOCAB]), value("weight_t", onnx.TensorProto.FLOAT, [VOCAB, WIDTH]),
+         value("weight", onnx.TensorProto.FLOAT, [WIDTH, VOCAB]),
+         value("weight_t", onnx.TensorProto.FLOAT, [VOCAB, WIDTH]),
          value("bias", onnx.TensorProto.FLOAT, [VOCAB])],
         [value("loss", onnx.TensorProto.FLOAT, None), value(fetched, onnx.TensorProto.FLOAT, [6, VOCAB])])
     return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 14)], ir_version=7)

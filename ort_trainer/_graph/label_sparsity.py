@@ -24,6 +24,7 @@ import onnx
 from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes, torch_node, torch_node_operator
 from .._torch_node_catalogue import LABELLED_PROJECTION, LABELLED_PROJECTION_GRAD
 from .input_density import input_behind
+from .torch_node_shapes import set_value_info
 from .torch_nodes import needing_gradient, reached_first, replace_nodes
 
 # Ops between the projection and the loss that compute each row from that row alone.
@@ -312,6 +313,9 @@ def _rewrite_returned(model, loss, chain, returned, tensors, differentiable):
     changed = (removed - {returned}) | set(loss.output[1:])
     for value_info in [value_info for value_info in graph.value_info if value_info.name in changed]:
         graph.value_info.remove(value_info)
+    dims = _dims(tensors, returned)
+    if dims is not None and None not in dims:  # as inferred before (ONNX infers nothing of a torch node's outputs)
+        set_value_info(model, returned, onnx.TensorProto.FLOAT, list(dims))
     kept_rows = p + "rows"  # the named dim
     graph.value_info.extend(onnx.helper.make_tensor_value_info(name, elem_type, dims) for name, elem_type, dims in (
         (kept_rows, onnx.TensorProto.INT64, [kept_rows]), (p + "labels", labels_type, [kept_rows]),

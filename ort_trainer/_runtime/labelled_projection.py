@@ -63,9 +63,9 @@ def labelled_projection_grad(inputs, params):
     else:
         dense = returned.expand(flat.shape[0], weight.shape[1]) if returned.dim() == 0 else returned
         if dense.numel() != flat.shape[0] * weight.shape[1]:
-            raise ValueError(f"labelled_projection_grad: the returned scores' gradient has shape {list(returned.shape)} "
-                             f"for scores of {flat.shape[0]} rows x {weight.shape[1]} classes (expected their shape, "
-                             "or a scalar zero)")
+            raise ValueError(f"labelled_projection_grad: the returned scores' gradient has shape "
+                             f"{list(returned.shape)} for scores of {flat.shape[0]} rows x {weight.shape[1]} classes "
+                             "(expected their shape, or a scalar zero)")
         grad = _empty((flat.shape[0], weight.shape[1]), flat).copy_(dense.reshape(flat.shape[0], weight.shape[1]))
         grad, source = grad.index_add_(0, rows, kept), flat
     results = []
