@@ -8,6 +8,7 @@ shapes reusing their graphs; each test checks which path ran (the node in the gr
 logits gradient its backward kernel received)."""
 import copy
 import logging
+import re
 
 import onnx
 import onnxruntime
@@ -253,3 +254,12 @@ def test_the_density_report_says_the_loss_runs_on_the_labelled_rows(monkeypatch,
     assert len(reports) == 1 and reports[0].endswith(
         "; the cross-entropy reading labels computed in forward(): the loss on the labelled rows, the returned "
         "logits dense (the projection's gradients on those rows where the logits go unused)")
+
+
+def test_a_logits_gradient_of_another_size_is_refused():
+    hidden, weight, rows = torch.randn(2, 3, 4), torch.randn(4, 5), torch.tensor([0, 4])
+    params = {"trans_b": False, "alpha": 1.0, "beta": 1.0, "operands": [0, 1, 2], "wanted": [0, 1]}
+    with pytest.raises(ValueError, match=re.escape("labelled_projection_grad: the returned scores' gradient has shape "
+                                                   "[6, 4] for scores of 6 rows x 5 classes (expected their shape, "
+                                                   "or a scalar zero)")):
+        labelled_projection_grad([torch.randn(6, 4), torch.randn(2, 5), hidden, weight, rows], params)
