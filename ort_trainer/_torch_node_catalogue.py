@@ -90,6 +90,8 @@ LOG_SOFTMAX_FP32 = _declare("log_softmax_fp32", gradient=BUILT_GRAPHS_ONLY, shap
 SOFTMAX_GRAD_TO_BF16 = _declare("softmax_grad_to_bf16", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
 # an fp32 product torch's kernel computes faster than ONNX Runtime's
 MATRIX_PRODUCT = _declare("matrix_product", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
+# a tied embedding's rows added to the weight's other gradient (`_graph.tied_embedding_gradient`)
+ROWS_ADDED = _declare("embedding_rows_added", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)
 GELU_GRAD = _declare("tanh_gelu_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)  # torch's gelu_backward
 # torch's backward where the CPU provider has no ResizeGrad, ConvTransposeGrad kernel
 RESIZE_GRAD = _declare("resize_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_WHERE_WRITTEN)

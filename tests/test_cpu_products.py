@@ -4,6 +4,7 @@ all go to torch trains as the ONNX Runtime graph does."""
 import copy
 
 import numpy as np
+import onnx
 import onnxruntime
 import pytest
 import torch
@@ -12,9 +13,11 @@ from onnx import TensorProto, helper
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._graph.cpu_products import MATRIX_PRODUCT, matrix_products_in_torch
+from ort_trainer._onnx import torch_node_operator, torch_node_params_of
 from ort_trainer._runtime import product_speed
 from ort_trainer._runtime.torch_ops import register_executor
-from ort_trainer.ortmodule import ORTModule
+from ort_trainer._torch_node_catalogue import ROWS_ADDED
+from ort_trainer.ortmodule import DebugOptions, ORTModule
 
 from . import models
 
@@ -207,17 +210,21 @@ def test_a_large_product_is_measured_with_its_largest_dim_scaled_down():
     assert product_speed._scaled((False, False, 700, 200, 8000)) == (False, False, 700, 200, 8000)  # 2.2 GFLOP
 
 
-def test_a_language_model_with_every_product_in_torch_trains_as_eager(every_product_in_torch, monkeypatch):
+def test_a_language_model_with_every_product_in_torch_trains_as_eager(every_product_in_torch, tmp_path,
+                                                                       monkeypatch):
     """GPT-2 under ORTModule: the vocabulary projection (a batch of rows by the tied embedding,
-    transposed) and its input gradient (the builder's FusedMatMul) run in torch too; losses and
-    every gradient equal eager's. Label sparsity off: it makes that projection a torch node of its own."""
+    transposed) and its input gradient (the builder's FusedMatMul) run in torch too, and the
+    embedding's rows are added to the tied weight's gradient in place (`_graph.tied_embedding_gradient`);
+    losses and every gradient equal eager's. Label sparsity off: it makes that projection a torch node
+    of its own."""
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", "0")
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=40, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0))
-    eager, wrapped = copy.deepcopy(model), ORTModule(model)
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path))
+    eager, wrapped = copy.deepcopy(model), ORTModule(model, DebugOptions(save_onnx=True, onnx_prefix="gpt2"))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, wrapped)]
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):
@@ -234,4 +241,7 @@ def test_a_language_model_with_every_product_in_torch_trains_as_eager(every_prod
             optimizer.step()
         assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     assert (False, True, 16, 16, 40) in every_product_in_torch  # the projection, its 2 x 8 rows as one matrix
+    graph = onnx.load(tmp_path / "gpt2_optimized_training.onnx").graph
+    [added] = [node for node in graph.node if torch_node_operator(node) == ROWS_ADDED]
+    assert added.output[0] == "model.transformer.wte.weight_grad" and torch_node_params_of(added) == {"in_place": True}
     assert (False, False, 16, 40, 16) in every_product_in_torch  # its input gradient, dY W

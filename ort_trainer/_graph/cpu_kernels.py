@@ -6,7 +6,8 @@ kernels (BENCHMARKS.md): the GELU gradient torch's, where the graph may run torc
 Reductions of a whole tensor run in torch, whose pairwise sums are exact to float rounding
 where ORT's running sum was off by 1.7e-5 relative over 1M elements (a mean-squared loss).
 Gradients the CPU provider has no kernel for (ResizeGrad, ConvTransposeGrad) run torch's backward
-(`_graph.torch_nodes`); fp32 products torch's kernels compute faster run in torch (`_graph.cpu_products`).
+(`_graph.torch_nodes`); fp32 products torch's kernels compute faster run in torch (`_graph.cpu_products`);
+a tied embedding's rows are added into the projection's weight gradient (`_graph.tied_embedding_gradient`).
 The CUDA provider keeps ORT's own kernels: fewer launches, and its GatherGrad is deterministic
 where GatherNDGrad adds with atomics.
 """
@@ -24,6 +25,7 @@ from .cpu_products import matrix_products_in_torch
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes, substitute_torch_kernels
 from .bf16_products import bf16_casts_in_torch, bf16_logits_into_loss, bf16_outputs_from_products
+from .tied_embedding_gradient import rows_into_weight_gradients
 
 
 def kernel_substitutions(device_type: str | None) -> Callable[..., None] | None:
@@ -51,6 +53,7 @@ def substitute_cpu_kernels(training, evaluation, *, faster_in_torch=None):
     if faster_in_torch is not None:
         for model in {id(training): training, id(evaluation): evaluation}.values():
             matrix_products_in_torch(model, faster_in_torch)
+    rows_into_weight_gradients(training)  # after the products that write the weights' gradients went to torch
 
 
 _LOSS_ROWS = "/fast_sce"  # in the names of the rewritten loss's tensors

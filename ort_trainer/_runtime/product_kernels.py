@@ -188,3 +188,21 @@ def log_softmax_fp32(inputs, params):
     for start in range(0, logits.shape[0], _ROWS):
         torch.log_softmax(logits[start:start + _ROWS].float(), axis, out=result[start:start + _ROWS])
     return [result]
+
+
+
+def rows_added(inputs, params):
+    """A weight's gradient with an embedding's rows added (`_graph.tied_embedding_gradient`): the
+    dense gradient (inputs[0]; written into where `in_place`: a torch node's output nothing else
+    reads), then `rows[k]` added to row `indices[k]` (indices [N, 1], negative ones counted from the
+    end, as GatherNDGrad's). A row looked up more than once gets its rows' sum, added in their
+    order, then added to the dense gradient: the values of the Sum it replaces."""
+    dense, indices, rows = inputs
+    result = dense if params["in_place"] else empty(dense.shape, dense.dtype).copy_(dense)
+    index = indices.reshape(-1)
+    index = torch.where(index < 0, index + result.shape[0], index)
+    rows = rows.reshape(index.shape[0], -1).to(result.dtype)
+    unique, position = torch.unique(index, return_inverse=True)
+    summed = torch.zeros((unique.shape[0], rows.shape[1]), dtype=result.dtype).index_add_(0, position, rows)
+    result.view(result.shape[0], -1).index_add_(0, unique, summed)
+    return [result]

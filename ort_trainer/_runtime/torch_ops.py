@@ -33,12 +33,12 @@ from .._onnx import in_operand_order
 from .._torch_node_catalogue import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION,
                                      AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD,
                                      FUNCTION, FUNCTION_GRAD, GELU_GRAD, LABELLED_PROJECTION, LABELLED_PROJECTION_GRAD,
-                                     LOG_SOFTMAX_FP32, MATRIX_PRODUCT, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD,
+                                     LOG_SOFTMAX_FP32, MATRIX_PRODUCT, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD, ROWS_ADDED,
                                      SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32)
 from .cpu_buffers import converted, empty
 from .labelled_projection import labelled_projection, labelled_projection_grad
 from .product_kernels import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
-                             softmax_grad_to_bf16)
+                              rows_added, softmax_grad_to_bf16)
 
 
 class TorchOpError(RuntimeError):
@@ -315,7 +315,7 @@ IMPLEMENTATIONS = {
     GELU_GRAD: lambda inputs, params: [torch.ops.aten.gelu_backward.grad_input(  # dy, x (+ the bias, if any)
         inputs[0], inputs[1] + inputs[2] if len(inputs) > 2 else inputs[1], approximate="tanh",
         grad_input=empty(inputs[0].shape, torch.float32))],
-    SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16,
+    SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16, ROWS_ADDED: rows_added,
     LABELLED_PROJECTION: labelled_projection, LABELLED_PROJECTION_GRAD: labelled_projection_grad,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
@@ -338,10 +338,13 @@ def _execute(operator, overload, count_in, inputs, count_out, outputs):
         implementation = IMPLEMENTATIONS.get(name)
         if implementation is None:
             raise KeyError(f"no torch implementation named {name!r} (known: {sorted(IMPLEMENTATIONS)})")
-        results = implementation(tensors, json.loads(overload.decode() or "{}"))
+        params = json.loads(overload.decode() or "{}")
+        results = implementation(tensors, params)
         if len(results) != count_out:
             raise ValueError(f"{len(results)} outputs for the node's {count_out}")
-        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        # An output on an input's memory is a copy, unless the node writes into its input 0: memory a
+        # torch node wrote that nothing else reads (`in_place`, `_graph.tied_embedding_gradient`).
+        storages = {t.untyped_storage().data_ptr() for t in tensors[1 if params.get("in_place") else 0:]}
         results = [r.clone() if r.untyped_storage().data_ptr() in storages else r.contiguous() for r in results]
     except Exception as error:  # noqa: BLE001 - nothing may cross into C; the run raises it
         _thread_list("errors").append((name, error))
