@@ -185,13 +185,16 @@ def _hand_written(product="matmul", fetched="scores"):
 
 def test_returned_scores_are_rewritten_only_where_exact():
     """The fetched tensor must be the projection's result with its bias: fetched before the bias Add,
-    the node's output would not be it; a Gemm's C and a bias Add after it both: refused. ORTTrainer's
-    call (no `returned_scores`) keeps them dense."""
+    the node's output would not be it; a Gemm's C and a bias Add after it both, or scores of a shape
+    not known: refused. Without `returned_scores` (mixed precision) they stay dense."""
     assert gather_labelled_rows(_hand_written(), ["loss", "scores"]) == 0
     assert gather_labelled_rows(_hand_written(fetched="product"), ["loss", "product"], returned_scores=True) == 0
     both = _hand_written("gemm")
     both.graph.node[1].CopyFrom(onnx.helper.make_node("Add", ["product", "bias"], ["scores"]))
     assert gather_labelled_rows(both, ["loss", "scores"], returned_scores=True) == 0
+    symbolic = _hand_written()  # rows of unknown count: the node's output could not be declared
+    symbolic.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "rows"
+    assert gather_labelled_rows(symbolic, ["loss", "scores"], returned_scores=True) == 0
 
 
 @pytest.mark.parametrize("product", ["matmul", "gemm", "gemm without C"])

@@ -1,6 +1,6 @@
-"""Label sparsity (ORTTrainer's `graph_transformer.label_sparsity`): a cross-entropy loss with an
-ignore_index computes its last per-token work, the vocabulary projection and the loss, on the rows
-whose label counts only.
+"""Label sparsity (ORTTrainer's `graph_transformer.label_sparsity`, ORTModule's
+ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER): a cross-entropy loss with an ignore_index computes its
+last per-token work, the vocabulary projection and the loss, on the rows whose label counts only.
 
 Why: fine-tuning batches are padded, and instruction tuning masks the prompt's labels with -100;
 the projection to a vocabulary and the log-softmax over it are most of a small language model's
@@ -8,12 +8,14 @@ step, and eager PyTorch computes them for every position. The exported forward i
 before ONNX Runtime's gradient builder, which then differentiates through the Gather (GatherGrad
 scatters the kept rows' gradients back, the others stay zero: what the dense graph computes).
 
-ORTModule's models often return the logits too (Hugging Face's outputs hold them): every row's
-scores are then computed, but the loss still reads the kept rows only (its log-softmax falls with
-them), and the projection's gradients run on those rows where the user's loss leaves the logits
-unused: one LABELLED_PROJECTION torch node (`_runtime.labelled_projection`) whose gradient node
-decides at run time, from the shape of the logits' gradient (ORTModule's scalar zero for an unused
-output, `returned_scores_gradient_scalar`), dense where the user's loss reads them.
+Models often return the logits too (Hugging Face's outputs hold them; ORTTrainer fetches every
+output unless told otherwise): every row's scores are then computed, but the loss still reads the
+kept rows only (its log-softmax falls with them), and the projection's gradients run on those rows
+where the user's loss leaves the logits unused: one LABELLED_PROJECTION torch node
+(`_runtime.labelled_projection`) whose gradient node decides at run time, from the shape of the
+logits' gradient (ORTModule's scalar zero for an unused output, `returned_scores_gradient_scalar`;
+ORTTrainer's, which differentiates the loss alone, is one too), dense where the user's loss reads
+them.
 """
 from __future__ import annotations
 
@@ -43,9 +45,9 @@ def gather_labelled_rows(model: onnx.ModelProto, fetched: Collection[str], *, re
 
     Only where exact: the scores are the [N, classes] flattening of the projection's output, and no
     tensor on the way from the projection to the loss is in `fetched` (the outputs the caller gets)
-    or read by another node. Those tensors stop being graph outputs. With `returned_scores`
-    (ORTModule's fp32 graphs), a loss whose fp32 scores are fetched (a Hugging Face model returns its
-    logits) is rewritten too: the projection becomes one LABELLED_PROJECTION torch node writing the
+    or read by another node. Those tensors stop being graph outputs. With `returned_scores` (fp32
+    graphs), a loss whose fp32 scores are fetched (a Hugging Face model returns its logits; ORTTrainer
+    fetches every output by default) is rewritten too: the projection becomes one LABELLED_PROJECTION torch node writing the
     fetched scores, dense, and the kept rows' scores, which the loss reads (`_rewrite_returned`;
     `differentiable`: the inputs gradients flow from). Returns the number of losses rewritten.
     """
@@ -207,7 +209,12 @@ def _returned_exactly(chain, returned, tensors):
     """Whether the fetched tensor `returned` is the projection's result (its bias added) as the
     LABELLED_PROJECTION node computes it: everything on the chain float32, so that its Casts and
     Identities change no value, one bias at most (Gemm's or an Add's), `returned` written by the
-    projection or a row-wise node after its bias Add (not by the flattening Reshape)."""
+    projection or a row-wise node after its bias Add (not by the flattening Reshape), its inferred
+    shape concrete (ONNX infers nothing of a torch node's outputs, and ORTTrainer binds its outputs
+    at their shapes)."""
+    dims = _dims(tensors, returned)
+    if dims is None or not all(isinstance(dim, int) for dim in dims):
+        return False
     names = [node.input[0] for node in chain[:1]] + [node.input[1] for node in chain[:1]] + [
         node.output[0] for node in chain]
     if any(tensors.get(name, (None,))[0] != onnx.TensorProto.FLOAT for name in names):
@@ -313,9 +320,7 @@ def _rewrite_returned(model, loss, chain, returned, tensors, differentiable):
     changed = (removed - {returned}) | set(loss.output[1:])
     for value_info in [value_info for value_info in graph.value_info if value_info.name in changed]:
         graph.value_info.remove(value_info)
-    dims = _dims(tensors, returned)
-    if dims is not None and None not in dims:  # as inferred before (ONNX infers nothing of a torch node's outputs)
-        set_value_info(model, returned, onnx.TensorProto.FLOAT, list(dims))
+    set_value_info(model, returned, onnx.TensorProto.FLOAT, list(tensors[returned][1]))  # as inferred before
     kept_rows = p + "rows"  # the named dim
     graph.value_info.extend(onnx.helper.make_tensor_value_info(name, elem_type, dims) for name, elem_type, dims in (
         (kept_rows, onnx.TensorProto.INT64, [kept_rows]), (p + "labels", labels_type, [kept_rows]),
