@@ -193,7 +193,8 @@ def test_returned_scores_are_rewritten_only_where_exact():
     both.graph.node[1].CopyFrom(onnx.helper.make_node("Add", ["product", "bias"], ["scores"]))
     assert gather_labelled_rows(both, ["loss", "scores"], returned_scores=True) == 0
     symbolic = _hand_written()  # rows of unknown count: the node's output could not be declared
-    symbolic.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "rows"
+    for value in (symbolic.graph.input[0], symbolic.graph.output[1]):
+        value.type.tensor_type.shape.dim[0].dim_param = "rows"
     assert gather_labelled_rows(symbolic, ["loss", "scores"], returned_scores=True) == 0
 
 
