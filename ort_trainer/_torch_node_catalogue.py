@@ -14,7 +14,8 @@ list, both ways:
 
 Who writes the nodes: the training export's symbolics (`_export.torch_node_symbolics`,
 `_export.autograd_functions`), the graph rewrites (`_graph.torch_nodes`, `_graph.bf16_products`,
-`_graph.cpu_kernels`, `_graph.cpu_products`) and, for gradient nodes, ONNX Runtime's gradient builder.
+`_graph.cpu_kernels`, `_graph.cpu_products`, `_graph.label_sparsity`) and, for gradient nodes, ONNX
+Runtime's gradient builder.
 """
 from dataclasses import dataclass
 
@@ -64,6 +65,9 @@ FUNCTION_GRAD = _declare("function_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPE
 PRODUCT_GRAD = _declare("bf16_product_grad", gradient=BUILT_GRAPHS_ONLY, shape=TYPED_BY_THE_BUILDER)
 AUTOGRAD_FUNCTION_GRAD = _declare("autograd_function_grad",  # the Function's own backward, on the ctx kept
                                   gradient=BUILT_GRAPHS_ONLY, shape=TYPED_BY_THE_BUILDER)
+# on the kept rows only where the returned scores' gradient is a scalar zero (unused), else dense
+LABELLED_PROJECTION_GRAD = _declare("labelled_projection_grad", gradient=BUILT_GRAPHS_ONLY,
+                                    shape=TYPED_BY_THE_BUILDER)
 
 # Forward nodes the export writes (`_export.torch_node_symbolics`, `_export.autograd_functions`) or
 # the graph rewrites before the gradient builder (`_graph.torch_nodes`, `_graph.bf16_products`).
@@ -73,6 +77,9 @@ EINSUM = _declare("einsum", gradient=EINSUM_GRAD)
 DETACH = _declare("detach", gradient=STOP_GRADIENT)  # Tensor.detach
 AUTOGRAD_FUNCTION = _declare("autograd_function", gradient=AUTOGRAD_FUNCTION_GRAD, shape=TRACED)  # Function.apply
 PRODUCT = _declare("bf16_product", gradient=PRODUCT_GRAD, shape=TYPED_WHERE_WRITTEN)  # a product computed in bf16
+# a vocabulary projection whose scores are returned, and their labelled rows, which the loss reads
+# (`_graph.label_sparsity`)
+LABELLED_PROJECTION = _declare("labelled_projection", gradient=LABELLED_PROJECTION_GRAD, shape=TYPED_WHERE_WRITTEN)
 # a factor's bf16 copy (the product's gradient goes to the fp32 factors); in built CPU graphs, a Cast to bf16
 TO_BF16 = _declare("to_bf16", gradient=STOP_GRADIENT)
 

@@ -84,8 +84,10 @@ def test_label_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path):
     result, _ = _run("label_sparsity.py", "--vocab", "1024", "--width", "32", "--heads", "2",  # sparse from 1,024
         "--batch", "2", "--seq", "8", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
         tmp_path=tmp_path)
-    assert set(result["median_ms_per_step"]) == {"dense", "sparse", "eager"}
-    assert result["dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5
+    assert set(result["median_ms_per_step"]) == {"ortrainer dense", "ortrainer sparse", "ortmodule dense",
+                                                 "ortmodule sparse", "eager"}
+    assert result["ortrainer_dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5
+    assert result["ortmodule_dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5
 
 
 def test_embedding_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path):

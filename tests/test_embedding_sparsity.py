@@ -14,6 +14,7 @@ import transformers
 from torch import nn
 
 from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer._graph import label_sparsity as label_sparsity_rewrite
 from ort_trainer._graph.embedding_sparsity import drop_padding_rows
 from ort_trainer.ortmodule import DebugOptions
 
@@ -185,18 +186,23 @@ def test_bert_stays_dense_equal_to_eager_and_the_report_says_why(monkeypatch, ca
                            "stayed dense: Add (another input differs by position)" in report for report in reports)
 
 
-def test_the_density_report_says_which_embedding_was_made_sparse(monkeypatch, caplog):
+@pytest.mark.parametrize("label_sparsity, head", [
+    ("0", "MatMul (fewer values to remake before it)"),  # its product widens 16 -> 30 values per row
+    ("1", "ort_trainer::labelled_projection (org.pytorch.aten)")], ids=["label-sparsity-off", "label-sparsity-on"])
+def test_the_density_report_says_which_embedding_was_made_sparse(monkeypatch, caplog, label_sparsity, head):
+    """The dense rows are remade before the head (with its logits returned, label sparsity's torch node)."""
+    monkeypatch.setattr(label_sparsity_rewrite, "MIN_CLASSES", 2)  # this head's few classes made sparse all the same
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(3)
     with caplog.at_level(logging.INFO, logger="ort_trainer.ortmodule"):
         _run(PaddedMLP(logits=True), [_batch(generator, *BATCHES[0])],
-             {**SAVE, "ORTMODULE_PRINT_INPUT_DENSITY": "1"}, monkeypatch, ORTModule)
+             {**SAVE, "ORTMODULE_PRINT_INPUT_DENSITY": "1", "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": label_sparsity},
+             monkeypatch, ORTModule)
     reports = [r.getMessage() for r in caplog.records if "input density" in r.getMessage()]
     assert len(reports) == 2  # the training graph's, the inference graph's
     for report in reports:
-        # the head's product widens 16 -> 30 values per row: the dense rows are remade before it
         assert report.endswith("; embedding embed.weight (indices ids, padding_idx 0): 19 per-token nodes run on "
-                               "the non-padding rows; dense again for MatMul (fewer values to remake before it)")
+                               f"the non-padding rows; dense again for {head}")
 
 
 def _trainer_run(model, batches, sparse, path, fetches):

@@ -53,8 +53,10 @@ def test_the_density_of_labels_and_padded_inputs_is_logged_on_a_signatures_first
     # input_ids: 7 of 10 tokens not padding; labels: 3 of 10 neither padding nor prompt
     assert records[0] == ("ORTModule input density, call 1 of this signature: input_ids 7 of 10 positions hold data "
                           "(70.0%, padding_idx 0); labels 3 of 10 positions hold data (30.0%, ignore_index -100); "
-                          "embedding embed.weight (indices input_ids, padding_idx 0) stayed dense: MatMul (fewer "
-                          "values to remake before it)")
+                          "the cross-entropy reading labels stayed dense (fewer than 1024 classes, or its scores are "
+                          "not a projection's that only the loss reads, or are returned under autocast); embedding "
+                          "embed.weight (indices input_ids, padding_idx 0) stayed dense: MatMul (fewer values to remake "
+                          "before it)")
     assert records[1].startswith("ORTModule input density, call 4 of this signature: ")
 
 

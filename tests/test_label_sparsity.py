@@ -17,6 +17,8 @@ from examples.wikitext2.train import make_loss_fn
 from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._graph import label_sparsity
 from ort_trainer._graph.label_sparsity import gather_labelled_rows
+from ort_trainer._runtime import torch_ops
+from ort_trainer._torch_node_catalogue import LABELLED_PROJECTION_GRAD
 from ort_trainer.ortmodule import DebugOptions
 
 from . import models
@@ -201,16 +203,32 @@ def test_the_eval_graph_computes_the_same_loss(tmp_path):
     assert _head_reads_gathered_rows(tmp_path / "eval.onnx")
 
 
-def test_fetched_logits_keep_the_graph_dense(tmp_path):
-    """The caller gets every position's logits: nothing can be left out."""
+def test_fetched_logits_stay_dense_and_the_loss_reads_the_kept_rows(tmp_path, monkeypatch):
+    """The caller gets every position's logits (ORTTrainer's fetches default to every output): they
+    stay dense, one torch node also gives the loss the kept rows; the graph differentiates the loss
+    alone, so the logits' gradient is a scalar zero and the projection's gradients run on those rows."""
+    seen, kernel = [], torch_ops.IMPLEMENTATIONS[LABELLED_PROJECTION_GRAD]
+    monkeypatch.setitem(torch_ops.IMPLEMENTATIONS, LABELLED_PROJECTION_GRAD,
+                        lambda inputs, params: seen.append(inputs[0].dim()) or kernel(inputs, params))
     torch.manual_seed(0)
-    model = TinyLM()
-    ids, labels = _batches(["half"])[0]
-    trainer = _trainer(model, True, optim.SGDConfig(lr=0.5), tmp_path / "train.onnx", tiny_loss)
-    trainer.train_step_info.fetches = []
-    loss, logits = trainer.train_step(ids, labels)
-    assert logits.shape == (3, 8, VOCAB)
-    assert not _head_reads_gathered_rows(tmp_path / "train.onnx")
+    model, batches = TinyLM(), _batches(["half", "all", "scattered", "none"], shapes=((3, 8), (2, 5)))
+
+    def run(sparse, path):
+        trained = copy.deepcopy(model)
+        trainer = _trainer(trained, sparse, optim.SGDConfig(lr=0.5), path, tiny_loss)
+        trainer.train_step_info.fetches = []
+        outputs = [trainer.train_step(ids, labels) for ids, labels in batches]
+        evaluated = trainer.eval_step(*batches[0])
+        weights = {name: p.detach().clone() for name, p in trained.named_parameters()}
+        return [loss.item() for loss, _ in outputs], weights, [logits for _, logits in outputs] + list(evaluated)
+
+    sparse, dense = run(True, tmp_path / "sparse.onnx"), run(False, tmp_path / "dense.onnx")
+    assert seen == [0] * len(batches)
+    graph = onnx.load(tmp_path / "sparse.onnx").graph
+    assert any(node.name.endswith("/label_sparsity/projection") for node in graph.node)
+    _assert_same(sparse, dense, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(sparse[2], dense[2]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 def test_the_seed_model_with_its_own_loss(tmp_path):
@@ -351,12 +369,16 @@ def test_ortmodule_of_a_loss_without_its_logits_trains_like_eager(monkeypatch, t
     _assert_same(ours, _eager_steps(module, batches), rtol=1e-5, atol=1e-6)
 
 
-def test_ortmodule_returning_the_logits_stays_dense(monkeypatch, tmp_path):
-    """The caller gets the logits of every position (a Hugging Face model's output holds them)."""
+def test_ortmodule_returning_the_logits_computes_its_loss_on_the_kept_rows(monkeypatch, tmp_path):
+    """The caller gets the logits of every position (a Hugging Face model's output holds them): the
+    projection stays dense, one torch node that also gives the loss the kept rows
+    (tests/test_label_sparsity_logits.py)."""
     torch.manual_seed(0)
     module, batches = LossOnly(with_logits=True), _batches(["half", "scattered"])
     ours = _ortmodule_steps(monkeypatch, tmp_path, module, batches)
+    graph = onnx.load(tmp_path / "lm_optimized_training.onnx").graph
     assert not _head_reads_gathered_rows(tmp_path / "lm_optimized_training.onnx")
+    assert sum(node.name.endswith("/label_sparsity/projection") for node in graph.node) == 1
     _assert_same(ours, _eager_steps(module, batches), rtol=1e-5, atol=1e-6)
 
 

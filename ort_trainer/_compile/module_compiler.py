@@ -1,6 +1,6 @@
 """ORTModule's compile stage: one input signature of the wrapped model, compiled. The model exported
 (every module in its own train/eval state), training-mode BatchNorms rewritten, label sparsity
-(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss but not its logits), embedding sparsity
+(ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER: where forward() returns a loss; its logits too in fp32), embedding sparsity
 (ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER), the graph fixes,
 ONNX Runtime's ORTModule graph builder, the device's kernel substitutions, then a runner (a
 `TrainingAgent`, or an inference session for calls without gradients).
@@ -35,7 +35,7 @@ from .._graph.cpu_low_precision import low_precision_in_fp32
 from .._graph.embedding_sparsity import Outcome, drop_padding_rows
 from .._graph.gradient_builder_preparation import (NO_GRADIENT_SUFFIX, padding_rows_without_gradient, prepare_for_gradient,
                                                    weights_as_inputs)
-from .._graph.label_sparsity import gather_labelled_rows
+from .._graph.label_sparsity import described_losses, gather_labelled_rows, returned_scores_gradient_scalar
 from .._graph.module_graph_builder import (build_module_graph, describe_outputs, forward_outputs_as_graph_outputs,
                                     gradients_in_full_shape, outputs_reaching, outputs_read_by_backward)
 from .._graph.recompute import module_groups, recompute_in_backward
@@ -83,6 +83,7 @@ class GraphParts:
     gradient_slots: list[int | None]
     fetched: list[str]  # what the runner fetches: the gradients, or the forward's outputs
     sparse_embeddings: list[Outcome]  # per embedding with a padding_idx
+    sparse_losses: list[str]  # per cross-entropy with an ignore_index, under label sparsity: what it computes
     forward_outputs: int  # the forward's outputs (then the weights it passes through the YieldOp)
     read_again: list[int]  # the feeds the backward takes again (indices)
     read_in_place: list[int]  # the feeds whose memory must not move before the backward (indices)
@@ -97,6 +98,7 @@ class GraphParts:
                 "read_by_backward": self.read_by_backward, "recomputed": self.recomputed,
                 "sources": [[source.name, key] for source, key in self.sources], "gradient_slots": self.gradient_slots,
                 "fetched": self.fetched, "sparse_embeddings": [dataclasses.asdict(o) for o in self.sparse_embeddings],
+                "sparse_losses": self.sparse_losses,
                 "forward_outputs": self.forward_outputs, "read_again": self.read_again,
                 "read_in_place": self.read_in_place}
         return meta, {"graph": self.model.SerializeToString()}
@@ -115,6 +117,7 @@ class GraphParts:
                    sources=[(Source[source], key) for source, key in meta["sources"]],
                    gradient_slots=list(meta["gradient_slots"]), fetched=list(meta["fetched"]),
                    sparse_embeddings=[Outcome(**{**o, "dense": tuple(o["dense"])}) for o in meta["sparse_embeddings"]],
+                   sparse_losses=list(meta["sparse_losses"]),
                    forward_outputs=int(meta["forward_outputs"]), read_again=list(meta["read_again"]),
                    read_in_place=list(meta["read_in_place"]))
 
@@ -142,14 +145,16 @@ def compile_parts(model: torch.nn.Module, binding: InputBinding, values: dict[st
                  and parameters[by_graph_name[name]].requires_grad]
     weights_as_inputs(exported, weights)
     declare_torch_node_outputs(exported)
-    if settings.label_sparsity:  # where forward() returns the loss without the logits
-        gather_labelled_rows(exported, outputs)
+    inputs_requiring_grad = [i.name for i in exported.graph.input
+                             if needs_grad and i.name in values and values[i.name].requires_grad]
+    if settings.label_sparsity:  # fp32 graphs also where forward() returns the logits
+        gather_labelled_rows(exported, outputs, returned_scores=compute_dtype is None,
+                             differentiable=trainable + inputs_requiring_grad)
+    sparse_losses = described_losses(exported) if settings.label_sparsity else []  # for the density report
     # per embedding with a padding_idx: made sparse, or why not (the density report says)
     sparse_embeddings = [dataclasses.replace(outcome, weight=by_graph_name[outcome.weight])
                          for outcome in drop_padding_rows(exported, weights)] if settings.embedding_sparsity else []
     widened = device_type == "cpu" and low_precision_in_fp32(exported)
-    inputs_requiring_grad = [i.name for i in exported.graph.input
-                             if needs_grad and i.name in values and values[i.name].requires_grad]
     if compute_dtype is not None:
         lower_precision(exported, compute_dtype, device_type=device_type,
                         differentiable=trainable + inputs_requiring_grad)
@@ -168,6 +173,8 @@ def compile_parts(model: torch.nn.Module, binding: InputBinding, values: dict[st
         pre_grad_path=_path(settings, "optimized_pre_grad", training=True),
         log=lambda message: _info(settings, message))
     model_proto = built.model
+    if needs_grad:  # unused logits of a LABELLED_PROJECTION: a scalar zero, its backward on the kept rows
+        returned_scores_gradient_scalar(model_proto)
     recomputed = needs_grad and recompute_in_backward(model_proto, built.forward,
                                                       module_groups(model, settings.layer_recompute))
     if recomputed:
@@ -204,7 +211,7 @@ def compile_parts(model: torch.nn.Module, binding: InputBinding, values: dict[st
                       non_differentiable=built.non_differentiable, full_shape_grads=full_shape_grads,
                       reaching=reaching, read_by_backward=read_by_backward, recomputed=int(recomputed),
                       sources=[sources[name] for name in inputs], gradient_slots=[slots.get(name) for name in inputs],
-                      fetched=graph_outputs, sparse_embeddings=sparse_embeddings,
+                      fetched=graph_outputs, sparse_embeddings=sparse_embeddings, sparse_losses=sparse_losses,
                       forward_outputs=len(outputs) + len(statistics.outputs),
                       read_again=[inputs.index(name) for name in read_again],
                       read_in_place=[index for index, name in enumerate(inputs) if name not in movable])
@@ -219,6 +226,7 @@ class ModuleGraph:
         self.parts = parts if settings.cache_directory is not None else None  # to be stored on disk
         self.schema, self.trains = parts.schema, parts.trains
         self.density_inputs, self.sparse_embeddings = parts.density_inputs, parts.sparse_embeddings
+        self.sparse_losses = parts.sparse_losses
         self.batch_statistics = BatchStatistics.restored(model, *parts.statistics)
         self.non_differentiable, self.full_shape_grads = parts.non_differentiable, parts.full_shape_grads
         self._reaching = parts.reaching or []  # a training graph's (the one with a backward)

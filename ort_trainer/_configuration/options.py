@@ -89,7 +89,8 @@ class ORTTrainerOptions(_OptionGroup):
     - Ours: ``utils.max_cached_graphs`` (8: bound on the per-input-shape graph cache),
       ``debug.graph_save_paths.eval_model_path`` ('': the eval graph) and
       ``graph_transformer.label_sparsity`` (True: a cross-entropy with an ignore_index computes the
-      vocabulary projection and the loss on the kept labels' rows, where the logits are not fetched) and
+      vocabulary projection and the loss on the kept labels' rows; with the fp32 logits fetched, they stay
+      dense and the loss and the projection's gradients run on those rows) and
       ``graph_transformer.embedding_sparsity`` (True: the per-token layers after an embedding with a
       padding_idx compute the non-padding rows and one shared padded row, exactly).
     - ``provider_options`` names only the providers the trainer runs on (``CPUExecutionProvider``,

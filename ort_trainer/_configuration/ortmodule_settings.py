@@ -4,8 +4,8 @@ DebugOptions, as in the original).
 
 Implemented: ORTMODULE_ONNX_OPSET_VERSION, ORTMODULE_FALLBACK_POLICY, ORTMODULE_LOG_LEVEL,
 ORTMODULE_SAVE_ONNX_PATH, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER, ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER
-(1, the default, with the compute optimizer on: `_graph.label_sparsity` where forward() returns a loss
-without its logits), ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER (1, the default, with the compute optimizer
+(1, the default, with the compute optimizer on: `_graph.label_sparsity` where forward() returns a loss,
+its logits too in fp32), ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER (1, the default, with the compute optimizer
 on: `_graph.embedding_sparsity`), ORTMODULE_DISABLE_CUSTOM_AUTOGRAD_SUPPORT (1: a model computed through custom
 autograd.Functions is refused, so it runs in PyTorch), ORTMODULE_MEMORY_OPT_LEVEL (0, or 1: the
 model's layers recomputed in the backward, `_graph.recompute.module_groups`; 2 refused),

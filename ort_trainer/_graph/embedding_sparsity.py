@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from .._export.symbolics import MARKER_DOMAIN
-from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes
+from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes, torch_node_operator
 from .input_density import input_behind
 from .label_sparsity import kept_positions
 
@@ -192,8 +192,8 @@ def _trim(region, tensors):
 def _not_per_token(node, read, sparse, variant, tensors):
     """None when `node` computes per token from the sparse tensors `read`, else why not."""
     op = node.op_type
-    if node.domain not in ("", "ai.onnx"):
-        return f"{op} ({node.domain})"
+    if node.domain not in ("", "ai.onnx"):  # a torch node by its operator (label sparsity's projection)
+        return f"{torch_node_operator(node) or op} ({node.domain})"
     if op == "Dropout":
         return "Dropout (each padded position draws its own mask)"
     if op not in _ELEMENTWISE and op not in _LAST_AXIS and op not in ("MatMul", "Gemm", "Reshape"):

@@ -22,7 +22,8 @@ from .._onnx import TORCH_NODE_DOMAIN as DOMAIN
 from .._onnx import (node_attributes, onnx_opset, set_nodes, set_torch_node_params, torch_node, torch_node_operator,
                      torch_node_params, torch_node_params_of)
 from .._torch_node_catalogue import (AUTOGRAD_FUNCTION, AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM,
-                                     FUNCTION, GRADIENT_OPERATORS, GRADIENTS, PRODUCT, RESIZE_GRAD, STOPS_GRADIENT)
+                                     FUNCTION, GRADIENT_OPERATORS, GRADIENTS, LABELLED_PROJECTION_GRAD, PRODUCT,
+                                     RESIZE_GRAD, STOPS_GRADIENT)
 from .torch_node_shapes import declare_torch_node_outputs
 
 # ONNX Resize (mode, coordinate_transformation_mode, nearest_mode) as torch exports F.interpolate:
@@ -247,7 +248,8 @@ def finish_torch_node_gradients(model):
 def _missing_output_gradients_as_zeros(model):
     """A torch node's gradient reads the gradient of each of its differentiable outputs, and the
     builder names it (`<output>_grad`) even where nothing computes it (the h_n of an nn.RNN the loss
-    does not read): those gradients become zeros of the output's shape (in place). Returns their names."""
+    does not read): those gradients become zeros of the output's shape (in place), or a scalar zero
+    for the nodes that read one as "no gradient" (`_SCALAR_ZEROS`). Returns their names."""
     graph = model.graph
     defined = {value.name for value in (*graph.input, *graph.initializer)} | {
         name for node in graph.node for name in node.output}
@@ -259,14 +261,23 @@ def _missing_output_gradients_as_zeros(model):
                 output = name[:-len("_grad")]
                 if name.endswith("_grad") and name not in defined and name not in zeros and output in defined:
                     element_type = types.get(output) or onnx.TensorProto.FLOAT
-                    zero = onnx.helper.make_tensor(f"{name}/zero", element_type, [1], [0])
-                    nodes += [onnx.helper.make_node("Shape", [output], [f"{name}/shape"]),
-                              onnx.helper.make_node("ConstantOfShape", [f"{name}/shape"], [name], value=zero)]
+                    if torch_node_operator(node) in _SCALAR_ZEROS:
+                        nodes.append(onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(
+                            f"{name}/zero", element_type, [], [0])))
+                    else:
+                        zero = onnx.helper.make_tensor(f"{name}/zero", element_type, [1], [0])
+                        nodes += [onnx.helper.make_node("Shape", [output], [f"{name}/shape"]),
+                                  onnx.helper.make_node("ConstantOfShape", [f"{name}/shape"], [name], value=zero)]
                     zeros.add(name)
         nodes.append(node)
     if zeros:
         replace_nodes(model, nodes)
     return zeros
+
+
+# gradient nodes that read a scalar zero as an output's absent gradient: label sparsity's projection
+# (`_runtime.labelled_projection`: its logits fetched from ORTTrainer's graph, which differentiates the loss alone)
+_SCALAR_ZEROS = frozenset({LABELLED_PROJECTION_GRAD})
 
 
 def _gradient_node(operator, inputs, outputs, params):

@@ -132,16 +132,17 @@ def build_graphs(model: onnx.ModelProto, trainable: Sequence[str], read_only: Se
     or None: its rewrite of the training-mode BatchNorms of the training graph, whose statistics
     outputs follow `output_names`. `faster_in_torch`: which fp32 products run in torch's kernels
     (`_graph.cpu_products`; CPU graphs), or None. `label_sparsity`: both graphs compute the projection
-    and cross-entropy of a loss with an ignore_index on the kept rows only (`_graph.label_sparsity`),
-    where the logits are not fetched. `embedding_sparsity`: the per-token nodes after an embedding with a
+    and cross-entropy of a loss with an ignore_index on the kept rows only (`_graph.label_sparsity`);
+    where the logits are fetched (fp32), the loss on those rows and the logits dense.
+    `embedding_sparsity`: the per-token nodes after an embedding with a
     padding_idx compute the non-padding rows (`_graph.embedding_sparsity`).
     """
     weights_as_inputs(model, [*trainable, *read_only])  # first: no copy below holds weights
     declare_torch_node_outputs(model)
     if shape_inference:
         model = symbolic_shapes(model)
-    if label_sparsity:
-        gather_labelled_rows(model, output_names)
+    if label_sparsity:  # fetched fp32 logits too: a scalar zero is their gradient (`_graph.torch_nodes`)
+        gather_labelled_rows(model, output_names, returned_scores=compute_dtype is None, differentiable=trainable)
     if embedding_sparsity:
         drop_padding_rows(model, [*trainable, *read_only])
     eval_model = copy.deepcopy(model)

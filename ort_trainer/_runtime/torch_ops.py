@@ -32,10 +32,11 @@ from .._export.autograd_functions import function_call
 from .._onnx import in_operand_order
 from .._torch_node_catalogue import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION,
                                      AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD,
-                                     FUNCTION, FUNCTION_GRAD, GELU_GRAD, LAYER_NORM_GRAD, LOG_SOFTMAX_FP32,
-                                     MATRIX_PRODUCT, PRODUCT, PRODUCT_GRAD, RESIZE_GRAD, ROWS_ADDED,
-                                     SOFTMAX_GRAD, SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32)
+                                     FUNCTION, FUNCTION_GRAD, GELU_GRAD, LABELLED_PROJECTION, LABELLED_PROJECTION_GRAD,
+                                     LAYER_NORM_GRAD, LOG_SOFTMAX_FP32, MATRIX_PRODUCT, PRODUCT, PRODUCT_GRAD,
+                                     RESIZE_GRAD, ROWS_ADDED, SOFTMAX_GRAD, SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32)
 from .cpu_buffers import converted, empty
+from .labelled_projection import labelled_projection, labelled_projection_grad
 from .product_kernels import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
                               rows_added, softmax_grad, softmax_grad_to_bf16)
 
@@ -325,6 +326,7 @@ IMPLEMENTATIONS = {
         grad_input=empty(inputs[0].shape, torch.float32))],
     SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16, SOFTMAX_GRAD: softmax_grad, ROWS_ADDED: rows_added,
     LAYER_NORM_GRAD: _layer_norm_grad,
+    LABELLED_PROJECTION: labelled_projection, LABELLED_PROJECTION_GRAD: labelled_projection_grad,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
 

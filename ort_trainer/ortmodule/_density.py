@@ -1,8 +1,9 @@
 """ORTMODULE_PRINT_INPUT_DENSITY=1: per call input, the share of positions that hold data (a
 label that is not the loss's ignore_index, a token that is not the embedding's padding_idx), logged
 on a signature's first call and every INTERVAL calls after: how much of a padded batch the graph
-computes for nothing (`_graph.input_density` finds those inputs), and which embeddings' per-token layers
-skip the padding (`_graph.embedding_sparsity`) or stay dense, and why."""
+computes for nothing (`_graph.input_density` finds those inputs), which losses compute on the labelled
+rows (`_graph.label_sparsity`), and which embeddings' per-token layers skip the padding
+(`_graph.embedding_sparsity`) or stay dense, and why."""
 import logging
 import weakref
 
@@ -37,6 +38,7 @@ class DensityReport:
                              f"{kind} {marker})")
         message = "; ".join(parts) or "no input is a loss's labels with an ignore_index or an embedding's indices " \
                                       "with a padding_idx"
+        message += "".join(f"; {line}" for line in graph.sparse_losses)
         message += "".join(f"; {outcome.describe()}" for outcome in graph.sparse_embeddings)
         LOGGER.handle(LOGGER.makeRecord(LOGGER.name, logging.INFO, __file__, 0,
                                         f"ORTModule input density, call {calls + 1} of this signature: {message}",
