@@ -202,7 +202,7 @@ def test_a_measured_product_is_decided_by_its_timings():
     faster = product_speed.torch_product_faster(form, threads=2)
     mlas_ms, torch_ms = product_speed.measured_products()[form, 2]
     assert mlas_ms > 0 and torch_ms > 0
-    assert faster == (torch_ms < 0.9 * mlas_ms)
+    assert faster == (torch_ms < 1.1 * mlas_ms)  # a near tie goes to torch (`product_speed._MARGIN`)
 
 
 def test_a_large_product_is_measured_with_its_largest_dim_scaled_down():

@@ -8,10 +8,13 @@ largest dim scaled down, so that a large model's compile stays quick), interleav
 of `_ROUNDS` runs after a warmup: other processes on the cores only ever add time, and a library's
 threads that wait on a preempted one add much more (torch's OpenMP barrier more than ONNX Runtime's
 pool), so the median of a busy machine's runs decided by the load, the fastest by the kernels.
-Torch must win by `_MARGIN`, so that near ties stay in ONNX Runtime; a product whose timings are
-within noise of the margin can still go either way from one run to the next (the results then
-differ by rounding), which is why deterministic compute keeps every product in ONNX Runtime
-(`Sessions.faster_in_torch`).
+A near tie goes to torch (`_MARGIN`): alone, each product measures as it does, but in a graph the
+products alternate between the two libraries' thread pools, and each switch wakes the other pool.
+On the Xeon of BENCHMARKS.md (the GPT-2 sweep, width 512) torch on near ties (margin 1.1) made
+ORTModule's step 5-11% faster at 4 and 8 layers than torch only where it won by 10% (margin 0.9),
+and as fast as every product in torch. A product whose timings are within noise of the margin can
+still go either way from one run to the next (the results then differ by rounding), which is why
+deterministic compute keeps every product in ONNX Runtime (`Sessions.faster_in_torch`).
 """
 import threading
 import time
@@ -30,7 +33,7 @@ from .._onnx import quiet_session_options
 MIN_FLOPS = 5e8
 _MEASURED_FLOPS = 4e9
 _ROUNDS = 5
-_MARGIN = 0.9
+_MARGIN = 1.1  # torch unless MLAS is 10% faster
 _lock = threading.Lock()
 _timings = {}  # (form, threads) -> (MLAS ms, torch ms): what was measured, for benchmarks and logs
 
