@@ -437,3 +437,22 @@ def test_a_classifier_head_stays_dense(monkeypatch):
     monkeypatch.setattr(label_sparsity, "MIN_CLASSES", VOCAB)
     assert gather_labelled_rows(_hand_written(), ["loss"]) == 1
 
+
+
+def test_the_kept_rows_products_are_decided_as_the_dense_graphs(tmp_path, monkeypatch):
+    """A product over the kept rows (a count known at run time) is decided for the count of labels
+    they are taken from (`kept_rows_bounds`): with every product decided for torch, the projection
+    and its gradients run in torch, as the dense graph's do, and the losses stay the dense graph's."""
+    from ort_trainer._runtime import product_speed
+
+    asked = []
+    monkeypatch.setattr(product_speed, "torch_product_faster", lambda form, threads: asked.append(form) or True)
+    torch.manual_seed(0)
+    model, batches = TinyLM(), _batches(["half", "scattered"])
+    sparse = _train(model, True, OPTIMIZERS["adam"][0](), tmp_path / "sparse.onnx", batches)
+    dense = _train(model, False, OPTIMIZERS["adam"][0](), tmp_path / "dense.onnx", batches)
+    _assert_same(sparse, dense, rtol=1e-5, atol=1e-6)
+    graph = onnx.load(tmp_path / "sparse.onnx").graph
+    kept_rows = [node for node in graph.node if any("label_sparsity/kept_hidden" in name for name in node.input)]
+    assert kept_rows and not [node.op_type for node in kept_rows if node.op_type in ("MatMul", "Gemm", "FusedMatMul")]
+    assert (False, True, 3 * 8, WIDTH, VOCAB) in asked  # the projection, for the batch's 24 labels

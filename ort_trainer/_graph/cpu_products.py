@@ -17,6 +17,7 @@ import math
 
 from .._onnx import inferred_tensors, node_attributes, torch_node
 from .._torch_node_catalogue import MATRIX_PRODUCT  # run by `_runtime.product_kernels.matrix_product`
+from .label_sparsity import kept_rows_bounds
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes
 
@@ -38,8 +39,9 @@ def matrix_products_in_torch(model, faster_in_torch):
             readers.setdefault(name, []).append(node)
     outputs = {value.name for value in graph.output}
     replaced, removed = {}, set()
+    bounds = kept_rows_bounds(model, tensors)
     for node in graph.node:
-        product = _product_form(node, tensors, producers, readers, outputs)
+        product = _product_form(node, tensors, producers, readers, outputs, bounds)
         if product is None or not faster_in_torch(product["form"]):
             continue
         trans_a, trans_b, _, _, n = product["form"]
@@ -62,11 +64,12 @@ def _without_unread_transposes(nodes, outputs):
     return [node for node in nodes if not (_transposes_matrix(node) and node.output[0] not in read)]
 
 
-def _product_form(node, tensors, producers, readers, outputs):
+def _product_form(node, tensors, producers, readers, outputs, bounds):
     """What ONNX Runtime would run for `node`, a float32 product of a matrix or a batch of rows by a
     matrix: {"form": (trans_a, trans_b, m, k, n), "inputs": the operands (and Gemm's C), "alpha",
     "beta", "rows": the output's dims but its last, "output": the tensor it writes, "last": the node
-    whose place it takes, "consumed": the nodes it replaces}; else None."""
+    whose place it takes, "consumed": the nodes it replaces}; else None. `bounds`: {a dim known at
+    run time: the most it can be}, the size the decision is made for (label sparsity's kept rows)."""
     if (node.domain, node.op_type) not in _PRODUCTS:
         return None
     attributes = node_attributes(node)
@@ -81,14 +84,17 @@ def _product_form(node, tensors, producers, readers, outputs):
     consumed = [node]
     (a, trans_a), (b, trans_b) = (_folded_transpose(name, flag, producers, readers, consumed)
                                   for name, flag in ((a, trans_a), (b, trans_b)))
-    shapes = [tensors.get(name, (0, None))[1] for name in (a, b)]
-    if any(shape is None or not all(isinstance(d, int) for d in shape) for shape in shapes):
+    dims = [tensors.get(name, (0, None))[1] for name in (a, b)]  # a dim may be named (known at run time)
+    if any(shape is None for shape in dims):
+        return None
+    shapes = [[bounds.get(d, d) for d in shape] for shape in dims]  # the sizes the decision is made for
+    if any(not all(isinstance(d, int) for d in shape) for shape in shapes):
         return None
     if len(shapes[1]) != 2 or len(shapes[0]) < 2 or (len(shapes[0]) > 2 and trans_a):
         return None  # a batch of rows (the leading dims of A) by a matrix is one product; others are not
-    rows = list(shapes[0][:-1])
+    rows = list(dims[0][:-1])
     if len(rows) > 1:
-        shapes[0] = (math.prod(rows), shapes[0][-1])
+        shapes[0], dims[0] = [math.prod(shapes[0][:-1]), shapes[0][-1]], [None, dims[0][-1]]
     output, last = node.output[0], node
     transposes = readers.get(output, [])
     if (not bias and len(rows) == 1 and output not in outputs and len(transposes) == 1
@@ -96,6 +102,7 @@ def _product_form(node, tensors, producers, readers, outputs):
         # (op(A) op(B))^T = op(B)^T op(A)^T, written where the Transpose wrote
         (a, trans_a), (b, trans_b) = (b, not trans_b), (a, not trans_a)
         shapes.reverse()
+        dims.reverse()
         last = transposes[0]
         output = last.output[0]
         consumed.append(last)
@@ -103,7 +110,8 @@ def _product_form(node, tensors, producers, readers, outputs):
     n = shapes[1][0] if trans_b else shapes[1][1]
     return {"form": (trans_a, trans_b, m, k, n), "inputs": [a, b, *bias], "output": output, "last": last,
             "consumed": consumed, "alpha": float(attributes.get("alpha", 1.0)),
-            "beta": float(attributes.get("beta", 1.0)), "rows": rows if len(rows) > 1 else [m]}
+            "beta": float(attributes.get("beta", 1.0)),
+            "rows": rows if len(rows) > 1 else [dims[0][1] if trans_a else dims[0][0]]}
 
 
 def _transposes_matrix(node):

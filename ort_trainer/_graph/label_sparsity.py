@@ -247,6 +247,19 @@ def _bias(node, weights, tensors, classes):
     return next((name for name in node.input if name in weights and _dims(tensors, name) == (classes,)), None)
 
 
+def kept_rows_bounds(model: onnx.ModelProto, tensors: dict) -> dict[str, int]:
+    """{the kept rows' named dim of each rewritten loss: the count of the labels they are taken from
+    (the most they can be)} where that count is known (`tensors`: `inferred_tensors(model)`): the
+    size `_graph.cpu_products` decides their products by, as the dense graph's."""
+    bounds = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and node.output[0].endswith("/label_sparsity/labels"):
+            dims = (tensors.get(node.input[0]) or (None, None))[1]
+            if dims is not None and len(dims) == 1 and isinstance(dims[0], int):
+                bounds[node.input[1]] = dims[0]  # the positions' tensor, whose name is the dim's
+    return bounds
+
+
 def _rewrite(graph, loss, projection, row_wise, reshape, width, tensors):
     """Moves the projection and its row-wise nodes right before the loss (everything they read is
     computed by then), on the gathered rows; the Reshape goes (the rows are flat already). The new

@@ -35,7 +35,10 @@ def softmax_grads_in_torch(model: onnx.ModelProto) -> int:
         found = readers.get(name, [])
         return found[0] if len(found) == 1 and name not in outputs else None
 
-    replaced, renamed, freed, typed = {}, {}, [], []
+    replaced: dict[int, onnx.NodeProto | None] = {}
+    renamed: dict[str, str] = {}
+    freed: list[int] = []
+    typed: list[str] = []
     for scatter in graph.node:
         if scatter.op_type != "ScatterElements" or not scatter.output[0].endswith(_UNSCALED) \
                 or node_attributes(scatter).get("axis") != 1:
