@@ -249,3 +249,25 @@ def test_a_language_model_with_every_product_in_torch_trains_as_eager(every_prod
     assert sum(torch_node_operator(node) == LAYER_NORM_GRAD for node in graph.node) == 3  # ln_1, ln_2, ln_f
     assert not any(node.op_type == "LayerNormalizationGrad" for node in graph.node)
     assert (False, False, 16, 40, 16) in every_product_in_torch  # its input gradient, dY W
+
+
+def test_with_recomputation_every_product_stays_in_onnx_runtime(every_product_in_torch, tmp_path):
+    """ORTTrainer's recompute options keep ONNX Runtime's kernels, as ORTModule's checkpointed graphs: a
+    torch node's output feeding a recompute copy's wait (a PassThrough) failed the run ("PassThrough input
+    and output are not sharing the same buffer"), and torch's outputs beside the arena cost the memory
+    recomputation saves. Losses as without recomputation."""
+    def make_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 6), torch.nn.GELU(),
+                                   torch.nn.Linear(6, 2))
+
+    desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch", 2])], "outputs": [("loss", [], True)]}
+    x, y = torch.randn(5, 6), torch.randn(5, 2)
+    path = tmp_path / "training.onnx"
+    options = {"graph_transformer": {"gelu_recompute": True},
+               "debug": {"graph_save_paths": {"model_with_training_graph_path": str(path)}}}
+    losses, _ = _train(make_model, desc, F.mse_loss, lambda step: (x, y), options=options, steps=3)
+    assert not [node for node in onnx.load(path).graph.node if node.op_type == "ATen"]
+    expected, _ = _train(make_model, desc, F.mse_loss, lambda step: (x, y), steps=3)
+    assert every_product_in_torch  # asked without recomputation, and run in torch there
+    assert losses == pytest.approx(expected, rel=1e-6)

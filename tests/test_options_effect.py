@@ -24,6 +24,7 @@ from ort_trainer._configuration.runtime_settings import RuntimeSettings
 from ort_trainer._configuration.validation import load_schema
 from ort_trainer._export.symbolics import MARKER_DOMAIN
 from ort_trainer._graph.recompute import Recompute, layer_stack
+from ort_trainer._runtime import sessions
 from ort_trainer._graph.trainer_graph_builder import symbolic_shapes
 from ort_trainer._runtime.session_config import (cpu_arena_config, provider_options_from, save_graphs,
                                                  session_options_from, write_graphs)
@@ -559,7 +560,10 @@ def _train_with_dropout(graph_transformer, directory):
 
 @pytest.fixture(scope="module")
 def trained_without_recompute(tmp_path_factory):
-    return _train_with_dropout({}, tmp_path_factory.mktemp("without_recompute"))
+    """On ONNX Runtime's kernels, as recomputation keeps them (no torch node: `Sessions.faster_in_torch` None)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sessions, "_products_faster_in_torch", lambda placement, settings: None)
+        return _train_with_dropout({}, tmp_path_factory.mktemp("without_recompute"))
 
 
 def _copied_layers(graph):

@@ -206,12 +206,17 @@ class StepCompiler:
         settings, paths = self._settings, self._settings.graph_save_paths
         save_graphs(paths, exported=exported)
         running, statistics = running_statistics(exported, self._model), BatchStatistics(self._model)
+        # With recomputation every kernel stays ONNX Runtime's, as ORTModule's checkpointed graphs:
+        # torch nodes' outputs sit in torch's heap beside the arena (the memory recomputation saves),
+        # and a torch node's output feeding a recompute copy's wait (a PassThrough) failed at run time
+        # ("PassThrough input and output are not sharing the same buffer"), 2 runs of 4 of the gelu model.
+        faster_in_torch = None if settings.recompute is not None else self._sessions.faster_in_torch
         training, evaluation = build_graphs(
             exported, flat.names, [*frozen, *running], outputs, self._desc.output_names[self._desc.loss_index],
             device_type=self._sessions.placement.ort_device, loss_scaling=settings.loss_scaling,
             compute_dtype=settings.compute_dtype,
             recompute=settings.recompute, shape_inference=settings.shape_inference, batch_statistics=statistics,
-            faster_in_torch=self._sessions.faster_in_torch, label_sparsity=settings.label_sparsity,
+            faster_in_torch=faster_in_torch, label_sparsity=settings.label_sparsity,
             embedding_sparsity=settings.embedding_sparsity)
         save_graphs(paths, training=training, evaluation=evaluation, session_options=self._sessions.session_options(),
                     providers=self._sessions.providers)
