@@ -206,6 +206,30 @@ def needed_for(model, targets):
     return needed
 
 
+def full_shape_outputs_without(yield_op, indices):
+    """The YieldOp's `full_shape_outputs` (the outputs whose gradient must have their shape)
+    without `indices` (in place): those outputs' gradients may be a scalar zero (ORTModule's for an
+    output the user's loss did not use)."""
+    for attribute in yield_op.attribute:
+        if attribute.name == "full_shape_outputs":
+            kept = [index for index in attribute.ints if index not in indices]
+            del attribute.ints[:]
+            attribute.ints.extend(kept)
+
+
+def graph_index(graph):
+    """(producers {tensor: node}, readers {tensor: [nodes]}, the forward's outputs (the graph's and
+    the YieldOp's inputs), the YieldOp or None) of `graph`."""
+    producers = {name: node for node in graph.node for name in node.output}
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    yield_op = next((node for node in graph.node if node.op_type == "YieldOp"), None)
+    outputs = {output.name for output in graph.output} | set(yield_op.input if yield_op is not None else ())
+    return producers, readers, outputs, yield_op
+
+
 # Torch nodes: ONNX Runtime's `ATen` op (this domain) running one of our torch implementations
 # (`_runtime.torch_ops`), named in `operator` (`_torch_node_catalogue`), its parameters as JSON in
 # `overload_name`. ATen outputs get no type inference: the graph must state their types.

@@ -19,7 +19,8 @@ import math
 
 import onnx
 
-from .._onnx import inferred_tensors, node_attributes, set_nodes, torch_node, torch_node_operator, torch_node_params_of
+from .._onnx import (full_shape_outputs_without, graph_index, inferred_tensors, node_attributes, set_nodes, torch_node,
+                     torch_node_operator, torch_node_params_of)
 from .._torch_node_catalogue import LOG_SOFTMAX_FP32, PRODUCT, PRODUCT_GRAD, SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32
 from .torch_node_shapes import set_value_info
 from .torch_nodes import needing_gradient, reached_first, register_torch_node_gradients, replace_nodes
@@ -160,7 +161,7 @@ def bf16_logits_into_loss(model):
     adds nothing, so the output's gradient need no longer have its shape (dropped from the YieldOp's
     `full_shape_outputs`): logits the user's loss does not use cost no logits-sized zeros."""
     graph = model.graph
-    producers, readers, outputs, yield_op = _graph_index(graph)
+    producers, readers, outputs, yield_op = graph_index(graph)
 
     def only_reader(name):
         found = readers.get(name, [])
@@ -220,7 +221,7 @@ def bf16_logits_into_loss(model):
             node.input[:] = [renamed.get(name, name) for name in node.input]
             node.output[:] = [renamed.get(name, name) for name in node.output]
         if freed:
-            _full_shape_outputs_without(yield_op, freed)
+            full_shape_outputs_without(yield_op, freed)
         set_nodes(graph, [node for node in nodes if node is not None])
         tensors = inferred_tensors(model)
         for name in bf16_values:
@@ -272,29 +273,6 @@ def _loss_gradient_into(product, loss_input, producers, only_reader, output_grad
             grads.append(value)
 
 
-def _full_shape_outputs_without(yield_op, indices):
-    """The YieldOp's `full_shape_outputs` (the outputs whose gradient must have their shape)
-    without `indices` (in place)."""
-    for attribute in yield_op.attribute:
-        if attribute.name == "full_shape_outputs":
-            kept = [index for index in attribute.ints if index not in indices]
-            del attribute.ints[:]
-            attribute.ints.extend(kept)
-
-
-def _graph_index(graph):
-    """(producers {tensor: node}, readers {tensor: [nodes]}, the forward's outputs (the graph's and
-    the YieldOp's inputs), the YieldOp or None) of `graph`."""
-    producers = {name: node for node in graph.node for name in node.output}
-    readers = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    yield_op = next((node for node in graph.node if node.op_type == "YieldOp"), None)
-    outputs = {output.name for output in graph.output} | set(yield_op.input if yield_op is not None else ())
-    return producers, readers, outputs, yield_op
-
-
 def _returns_bf16(node, outputs):
     """Whether `node` is a Cast to bf16 whose result is a forward output (`_graph.autocast.cast_outputs`)."""
     return node.op_type == "Cast" and node.output[0] in outputs \
@@ -310,7 +288,7 @@ def bf16_outputs_from_products(model):
     A product whose result something else reads, or scaled in fp32 (`scaled_in_fp32`), keeps its
     Cast. Returns the number of outputs rewritten."""
     graph = model.graph
-    producers, readers, outputs, _ = _graph_index(graph)
+    producers, readers, outputs, _ = graph_index(graph)
     replaced, renamed = {}, {}
     for cast in (node for node in graph.node if _returns_bf16(node, outputs)):
         result, output, grad = cast.input[0], cast.output[0], f"{cast.output[0]}_grad"

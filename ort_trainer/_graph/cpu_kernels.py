@@ -38,7 +38,8 @@ def kernel_substitutions(device_type: str | None) -> Callable[..., None] | None:
 def substitute_cpu_kernels(training, evaluation, *, faster_in_torch=None):
     """Rewrites the built training and eval graphs (ModelProtos) in place. `faster_in_torch`: the
     decision of which fp32 products run in torch (`_graph.cpu_products`); None: none does, and the
-    tanh-GELU gradient stays ONNX nodes (deterministic and ORT_PARALLEL sessions)."""
+    tanh-GELU, LayerNorm and fp32 loss gradients stay ONNX nodes (deterministic and ORT_PARALLEL
+    sessions, recomputed graphs)."""
     fast_softmax_cross_entropy(training)
     fast_gather_grad(training)
     if faster_in_torch is not None:

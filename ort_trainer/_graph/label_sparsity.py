@@ -23,7 +23,8 @@ from collections.abc import Collection
 
 import onnx
 
-from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes, torch_node, torch_node_operator
+from .._onnx import (full_shape_outputs_without, graph_index, inferred_tensors, int64_constant, node_attributes,
+                     set_nodes, torch_node, torch_node_operator)
 from .._torch_node_catalogue import LABELLED_PROJECTION, LABELLED_PROJECTION_GRAD
 from .input_density import input_behind
 from .torch_node_shapes import set_value_info
@@ -106,20 +107,12 @@ def returned_scores_gradient_scalar(model: onnx.ModelProto) -> int:
     gradient nodes read leaves the YieldOp's `full_shape_outputs`, so that ORTModule feeds a scalar
     zero where the user's loss does not use it (`ModuleGraph.zero_gradient`), which those nodes read
     as "the kept rows only". Returns the number of outputs freed."""
-    yield_op = next((node for node in model.graph.node if node.op_type == "YieldOp"), None)
+    _, readers, _, yield_op = graph_index(model.graph)
     if yield_op is None:
         return 0
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
     freed = {k for k, name in enumerate(yield_op.output) if readers.get(name) and all(
         torch_node_operator(node) == LABELLED_PROJECTION_GRAD for node in readers[name])}
-    for attribute in yield_op.attribute:
-        if attribute.name == "full_shape_outputs" and freed & set(attribute.ints):
-            kept = [k for k in attribute.ints if k not in freed]
-            del attribute.ints[:]
-            attribute.ints.extend(kept)
+    full_shape_outputs_without(yield_op, freed)
     return len(freed)
 
 

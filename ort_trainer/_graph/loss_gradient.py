@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import onnx
 
-from .._onnx import node_attributes, set_nodes, torch_node
+from .._onnx import full_shape_outputs_without, graph_index, node_attributes, set_nodes, torch_node
 from .._torch_node_catalogue import SOFTMAX_GRAD  # run by `_runtime.product_kernels.softmax_grad`
-from .bf16_products import _full_shape_outputs_without, _graph_index
 from .torch_node_shapes import set_value_info
 
 _UNSCALED = "/fast_sce_grad/unscaled"  # `fast_softmax_cross_entropy`'s ScatterElements output
@@ -28,7 +27,7 @@ def softmax_grads_in_torch(model: onnx.ModelProto) -> int:
     that gradient, reshaped, is added to a YieldOp output's gradient (ORTModule's returned logits)
     and read by nothing else, the Add goes too and the node adds that gradient. Returns how many."""
     graph = model.graph
-    producers, readers, _, yield_op = _graph_index(graph)
+    producers, readers, _, yield_op = graph_index(graph)
     outputs = {value.name for value in graph.output}
 
     def only_reader(name):
@@ -64,7 +63,7 @@ def softmax_grads_in_torch(model: onnx.ModelProto) -> int:
             node.input[:] = [renamed.get(name, name) for name in node.input]
         set_nodes(graph, [node for node in nodes if node is not None])
         if freed:  # (the YieldOp's output k is the gradient of its input k)
-            _full_shape_outputs_without(yield_op, freed)
+            full_shape_outputs_without(yield_op, freed)
         for name in typed:  # an ATen node's output: typed here
             set_value_info(model, name, onnx.TensorProto.FLOAT, None)
     return sum(1 for node in replaced.values() if node is not None)

@@ -168,8 +168,8 @@ def forward_outputs_as_graph_outputs(model_proto, names):
 
 def gradients_in_full_shape(model_proto):
     """Indices of the outputs whose gradient must have the output's shape (the YieldOp's
-    `full_shape_outputs`; the others' may be a scalar zero, `_graph.bf16_products.bf16_logits_into_loss`
-    frees some); none in a graph without a backward."""
+    `full_shape_outputs`; the others' may be a scalar zero: `_onnx.full_shape_outputs_without`, which
+    the bf16 and fp32 loss gradients and label sparsity call); none in a graph without a backward."""
     yield_op = next((node for node in model_proto.graph.node if node.op_type == "YieldOp"), None)
     if yield_op is None:
         return set()
