@@ -72,11 +72,13 @@ class Folded(nn.Module):
 def _gathered_again(parameter, values):
     """What FSDP2 does to a gathered parameter between the forward and the backward: its memory freed
     (and taken by something else: the NaNs returned), allocated again and filled (here with `values`),
-    the tensor and its version unchanged."""
+    the tensor and its version unchanged. The new memory is allocated while the old is still held, so
+    it never lands at the old address (a freed block handed straight back would hide a stale read)."""
     storage = parameter.untyped_storage()
-    storage.resize_(0)
-    taken = torch.full((4096,), float("nan"))
-    storage.resize_(values.numel() * values.element_size())
+    nbytes = storage.nbytes()
+    storage.resize_(nbytes + 64)
+    taken = [torch.full((nbytes // values.element_size(),), float("nan")) for _ in range(4)]
+    taken.append(torch.full((4096,), float("nan")))
     with torch.no_grad():
         torch.empty(0).set_(storage, 0, parameter.shape, parameter.stride()).copy_(values)
     return taken
