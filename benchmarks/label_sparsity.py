@@ -1,11 +1,13 @@
 """Label sparsity (`graph_transformer.label_sparsity`, ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER): a GPT-2
 train step whose first half of every row's labels is -100 (a masked prompt; `--ignored` sets the
-share), ORTTrainer and ORTModule each dense (the switch off) vs sparse (on, the default) vs eager
-PyTorch. ORTModule's forward() returns the logits too (Hugging Face's output): its sparse graph
-keeps them dense and computes the loss, and the backward, on the labelled rows
-(`_graph.label_sparsity`'s LABELLED_PROJECTION).
+share), or a BERT masked LM whose labels are valid at a random 15% of the positions (`--model bert`),
+ORTTrainer and ORTModule each dense (the switch off) vs sparse (on, the default) vs eager PyTorch.
+ORTModule's forward() returns the logits too (Hugging Face's output): its sparse graph keeps them
+dense and computes the loss, and the backward, on the labelled rows (`_graph.label_sparsity`'s
+LABELLED_PROJECTION).
 
     python benchmarks/label_sparsity.py                 # vocab 32,000, 2 layers, width 256, 8 x 128 tokens
+    python benchmarks/label_sparsity.py --model bert    # the same sizes, 85% of the labels -100 at random
     python benchmarks/label_sparsity.py --json out.json
 
 One process, the same thread count for every engine. Each engine trains its own copy of the same
@@ -39,14 +41,21 @@ from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim  # noqa:
 FRONTS = ("ortrainer", "ortmodule")
 ENGINES = (*(f"{front} {kind}" for front in FRONTS for kind in ("dense", "sparse")), "eager")
 WEIGHT_DECAY, MAX_NORM, LR, SWITCH = 0.01, 1.0, 1e-4, "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER"
+MODELS = {"gpt2": 0.5, "bert": 0.85}  # the share of labels ignored by default
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_gpt2_arguments(p)
-    p.add_argument("--ignored", type=float, default=0.5, help="share of each row's labels (the first) that are -100")
+    p.add_argument("--model", choices=MODELS, default="gpt2",
+                   help="gpt2: the first labels of each row ignored; bert: a masked LM, random positions ignored")
+    p.add_argument("--ignored", type=float,
+                   help="share of the labels that are -100 (default: gpt2 0.5, the first of each row; bert 0.85)")
     add_timing_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.ignored is None:
+        args.ignored = MODELS[args.model]
+    return args
 
 
 def add_gpt2_arguments(p):
@@ -91,7 +100,10 @@ def _batches(args, count):
     for _ in range(count):
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
         labels = ids.clone()
-        labels[:, : round(args.seq * args.ignored)] = -100
+        if args.model == "bert":  # masked LM: the labelled positions are random
+            labels[torch.rand(ids.shape, generator=generator) < args.ignored] = -100
+        else:  # a masked prompt: the first positions of each row
+            labels[:, : round(args.seq * args.ignored)] = -100
         batches.append((ids, labels))
     return batches
 
@@ -108,7 +120,8 @@ def _trainer(model, args, sparse):
 
 
 def _ortmodule(model, sparse):
-    """ORTModule's step of GPT-2 (its output holds the loss and the logits), label sparsity on or off."""
+    """ORTModule's step of a Hugging Face model (its output holds the loss and the logits), label sparsity on
+    or off."""
     before = os.environ.get(SWITCH)
     os.environ[SWITCH] = "1" if sparse else "0"  # read when the ORTModule is made
     try:
@@ -135,14 +148,23 @@ def torch_adamw_step(model, loss_fn, *, max_norm=None):
     return step
 
 
+def _model(args):
+    """GPT-2 or BERT's masked LM from a config of the arguments' sizes, dropout off."""
+    if args.model == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=args.vocab, num_hidden_layers=args.layers, hidden_size=args.width,
+            num_attention_heads=args.heads, intermediate_size=4 * args.width, max_position_embeddings=args.seq,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=args.vocab, n_layer=args.layers, n_embd=args.width, n_head=args.heads, n_positions=args.seq,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM"))
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=args.vocab, n_layer=args.layers, n_embd=args.width, n_head=args.heads, n_positions=args.seq,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM"))
-    model.train()
+    model = _model(args).train()
     steps = {"ortrainer dense": _trainer(copy.deepcopy(model), args, sparse=False),
              "ortrainer sparse": _trainer(copy.deepcopy(model), args, sparse=True),
              "ortmodule dense": _ortmodule(copy.deepcopy(model), sparse=False),
@@ -158,8 +180,9 @@ def main(argv=None):
         result[f"{front}_eager_over_sparse"] = median["eager"] / median[f"{front} sparse"]
         result[f"{front}_dense_vs_sparse_worst_relative_loss_difference"] = max(
             abs(d - s) / abs(d) for d, s in zip(dense, sparse))
-    print(f"GPT-2 vocab {args.vocab}, {args.layers} layers, width {args.width}, {args.batch} x {args.seq} tokens, "
-          f"the first {100 * args.ignored:.0f}% of the labels -100, {args.threads} threads; median ms/step of "
+    where = "at random" if args.model == "bert" else "the first of each row"
+    print(f"{args.model} vocab {args.vocab}, {args.layers} layers, width {args.width}, {args.batch} x {args.seq} tokens, "
+          f"{100 * args.ignored:.0f}% of the labels -100 ({where}), {args.threads} threads; median ms/step of "
           f"{args.rounds} rounds x {args.steps}:")
     for engine in ENGINES:
         print(f"  {engine:17s} {median[engine]:9.1f}")

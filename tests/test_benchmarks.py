@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,10 +82,11 @@ def test_low_precision_model_benchmark_runs(tmp_path):
                                                               "ortmodule fp32"}
 
 
-def test_label_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path):
-    result, _ = _run("label_sparsity.py", "--vocab", "1024", "--width", "32", "--heads", "2",  # sparse from 1,024
+@pytest.mark.parametrize("model", ["gpt2", "bert"])
+def test_label_sparsity_benchmark_runs_and_dense_and_sparse_agree(tmp_path, model):
+    result, _ = _run("label_sparsity.py", "--model", model, "--vocab", "1024", "--width", "32", "--heads", "2",
         "--batch", "2", "--seq", "8", "--threads", "1", "--warmup", "1", "--rounds", "2", "--steps", "1",
-        tmp_path=tmp_path)
+        tmp_path=tmp_path)  # sparse from 1,024 classes
     assert set(result["median_ms_per_step"]) == {"ortrainer dense", "ortrainer sparse", "ortmodule dense",
                                                  "ortmodule sparse", "eager"}
     assert result["ortrainer_dense_vs_sparse_worst_relative_loss_difference"] <= 1e-5

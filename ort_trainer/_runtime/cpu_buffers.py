@@ -8,16 +8,16 @@ Runtime's own kernels write into its arena, which keeps its memory; these buffer
 the torch nodes. A buffer is handed out again only when nothing but this pool holds its storage
 (the tensor ONNX Runtime was given, or a graph output the caller kept, holds it otherwise).
 """
-import collections
 import math
 import threading
 
 import torch
 
 _MIN_BYTES = 1 << 22  # below 4 MiB glibc's heap reuses freed memory without page faults
-_PER_SHAPE = 4  # buffers kept per (shape, type): more at once are allocated as usual
-_SHAPES = 16  # (shape, type) kinds kept, least recently used dropped
-_pools: collections.OrderedDict[tuple, list[torch.Tensor]] = collections.OrderedDict()  # (shape, dtype) -> [tensor]
+_KEPT = 32  # buffers kept per type: more at once are allocated as usual
+_REUSE = 1.5  # a buffer serves a request of down to 1 / _REUSE of its size
+_HEADROOM = 1.25  # a request just above a free buffer's size (its size varies) gets this much more
+_pools: dict[torch.dtype, list[torch.Tensor]] = {}  # dtype -> flat buffers, oldest first
 _lock = threading.Lock()  # runs of other threads' sessions take buffers too
 _COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")  # a torch without it: no pool (fresh memory each time)
 
@@ -30,23 +30,34 @@ def _held_elsewhere(buffer):
 
 def empty(shape, dtype):
     """A CPU tensor of `shape` and `dtype` with unspecified values: a large one from the pool
-    when one is free, else new (and pooled while there is room)."""
+    when a free buffer is large enough but not much larger, else new (and pooled while there is
+    room). Sizes need not repeat exactly: a masked LM's labelled rows differ in count from batch to
+    batch, and a buffer per exact shape paid the page faults of fresh memory on every step."""
     shape = tuple(shape)
-    if math.prod(shape) * dtype.itemsize < _MIN_BYTES or not _COUNTS_USES:
+    count = math.prod(shape)
+    if count * dtype.itemsize < _MIN_BYTES or not _COUNTS_USES:
         return torch.empty(shape, dtype=dtype)
-    key = (shape, dtype)
     with _lock:
-        pool = _pools.setdefault(key, [])
-        _pools.move_to_end(key)
-        for buffer in pool:
-            if not _held_elsewhere(buffer):
-                return buffer.detach()
-        buffer = torch.empty(shape, dtype=dtype)
-        if len(pool) < _PER_SHAPE:
+        pool = _pools.setdefault(dtype, [])
+        free = [buffer for buffer in pool if not _held_elsewhere(buffer)]
+        fitting = [buffer for buffer in free if count <= buffer.numel() <= count * _REUSE]
+        if fitting:
+            return min(fitting, key=torch.Tensor.numel)[:count].view(shape)
+        outgrown = next((buffer for buffer in free if count / _REUSE <= buffer.numel() < count), None)
+        buffer = torch.empty(count if outgrown is None else math.ceil(count * _HEADROOM), dtype=dtype)
+        _drop(pool, free, outgrown)
+        if len(pool) < _KEPT:
             pool.append(buffer)
-        while len(_pools) > _SHAPES:
-            _pools.popitem(last=False)
-        return buffer.detach()
+        return buffer[:count].view(shape)
+
+
+def _drop(pool, free, outgrown):
+    """Drops `outgrown` (a free buffer the new one replaces, or None) and, beyond the `_KEPT` a new
+    buffer leaves room for, the oldest free buffers (identities compared: `==` on tensors compares values)."""
+    dropped = [] if outgrown is None else [outgrown]
+    dropped += [buffer for buffer in free if buffer is not outgrown][:max(len(pool) - len(dropped) + 1 - _KEPT, 0)]
+    ids = {id(buffer) for buffer in dropped}
+    pool[:] = [buffer for buffer in pool if id(buffer) not in ids]
 
 
 def converted(tensor, dtype):
