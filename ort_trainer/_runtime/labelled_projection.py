@@ -46,8 +46,7 @@ def labelled_projection(inputs, params):
         if params["alpha"] != 1.0:
             scores.mul_(params["alpha"])
     leading = in_operand_order(inputs, params)[0].shape[:-1]
-    # the kept rows into the first rows of a buffer of the scores' shape: pooled whatever their count
-    kept = torch.index_select(scores, 0, rows, out=_empty(scores.shape, flat)[:rows.shape[0]])
+    kept = torch.index_select(scores, 0, rows, out=_empty((rows.shape[0], scores.shape[1]), flat))
     return [scores.view(*leading, scores.shape[1]), kept]
 
 
