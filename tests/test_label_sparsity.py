@@ -7,6 +7,7 @@ graph was rewritten (or, where it must stay dense, that it was not)."""
 import copy
 import io
 
+import numpy as np
 import onnx
 import onnxruntime
 import pytest
@@ -109,7 +110,7 @@ def _comparable(name, tensor):
     """Without the attention key bias (against eager PyTorch only): its true gradient is exactly zero,
     so Adam turns float noise into lr-sized steps in both frameworks (tests/test_trainer_parity.py).
     None for a key bias of its own (BERT's)."""
-    if name.endswith("attention.self.key.bias"):
+    if name.endswith(("attention.self.key.bias", "attention.k_lin.bias")):
         return None
     if name.endswith(("self_attn.in_proj_bias", "attn.c_attn.bias")):
         third = tensor.numel() // 3
@@ -260,6 +261,10 @@ def test_the_seed_model_with_its_own_loss(tmp_path):
 def _hugging_face_language_model(family):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
+    if family == "distilbert":  # its loss reads the logits' shape (`logits.size(-1)`)
+        return transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+            vocab_size=VOCAB, dim=32, n_layers=1, n_heads=2, hidden_dim=64, max_position_embeddings=32,
+            dropout=0.0, attention_dropout=0.0)).train()
     if family == "bert":  # its word embeddings have a padding_idx: the export marks their padding rows
         return transformers.BertForMaskedLM(transformers.BertConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -269,11 +274,11 @@ def _hugging_face_language_model(family):
         attn_pdrop=0.0, loss_type="ForCausalLM")).train()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "distilbert"])
 def test_hugging_face_language_models_with_their_own_loss(tmp_path, family):
     """GPT-2's shifted causal-LM loss; BERT's masked-LM loss, whose projection follows a dense layer,
     GELU and LayerNorm (ORTTrainer's BERT graph kept it dense: the embedding's padding marker hid
-    every shape after it)."""
+    every shape after it); DistilBERT's, which reads the logits' shape (it kept the graph dense)."""
     model = _hugging_face_language_model(family)
     desc = {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
             "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])]}
@@ -443,6 +448,34 @@ def test_the_rewritten_loss_equals_the_dense_one_for_every_reduction(reduction):
     results = [onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
                .run(None, feeds)[0] for model in (sparse, dense)]
     assert results[0] == pytest.approx(results[1], nan_ok=True)
+
+
+def _shape_read(name):
+    """The hand-written graph whose tensor `name` a Shape also reads, its shape a graph output."""
+    model = _hand_written()
+    model.graph.node.append(onnx.helper.make_node("Shape", [name], ["read_shape"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("read_shape", onnx.TensorProto.INT64, None))
+    return model
+
+
+def test_a_shape_read_of_the_scores_is_computed_from_the_dense_rows():
+    """`logits.size(-1)` (DistilBERT's and T5's losses): the Shape of a projection's tensor is taken
+    from its input's leading dims, still the dense shape; the flattened scores' is not (it stays dense)."""
+    feeds = {"hidden": np.ones((6, WIDTH), np.float32), "labels": np.array([-100, 3, -100, 7, 1, -100]),
+             "weight": np.ones((WIDTH, VOCAB), np.float32), "bias": np.ones(VOCAB, np.float32)}
+    for name in ("product", "scores"):
+        model = _shape_read(name)
+        assert gather_labelled_rows(model, ["loss", "read_shape"]) == 1
+        assert not any(node.op_type == "Shape" and node.input[0] == name for node in model.graph.node)
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        assert session.run(["read_shape"], feeds)[0].tolist() == [6, VOCAB]
+    flattened = _hand_written()
+    flattened.graph.node[1].output[0] = "unflattened"  # scores = Reshape(unflattened), whose Shape is read
+    flattened.graph.node.insert(2, onnx.helper.make_node("Reshape", ["unflattened", "flat"], ["scores"]))
+    flattened.graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, VOCAB]), "flat"))
+    flattened.graph.node.append(onnx.helper.make_node("Shape", ["scores"], ["read_shape"]))
+    flattened.graph.output.append(onnx.helper.make_tensor_value_info("read_shape", onnx.TensorProto.INT64, None))
+    assert gather_labelled_rows(flattened, ["loss", "read_shape"]) == 0
 
 
 def test_a_classifier_head_stays_dense(monkeypatch):

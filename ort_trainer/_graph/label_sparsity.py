@@ -69,6 +69,9 @@ def gather_labelled_rows(model: onnx.ModelProto, fetched: Collection[str], *, re
         chain = _projection_chain(graph, loss, tensors, set(fetched), returned_scores=returned_scores)
         if chain is None:
             continue
+        if _dense_shapes(graph, [chain[0], *chain[1]], _dims(tensors, loss.input[0])[1]):  # new nodes: found again
+            loss = next(node for node in graph.node if node.output[0] == name)
+            chain = _projection_chain(graph, loss, tensors, set(fetched), returned_scores=returned_scores)
         projection, row_wise, reshape, width, returned = chain
         if returned is None:
             _rewrite(graph, loss, projection, row_wise, reshape, width, tensors)
@@ -161,10 +164,12 @@ def _projection_chain(graph, loss, tensors, fetched, *, returned_scores):
     tensor on the way or None: `_returned_exactly` says when one may be); None where the rewrite
     would not be exact."""
     producers = {output: node for node in graph.node for output in node.output}
-    reads = {}
+    reads, shapes = {}, {}  # the readers of each tensor; those that read its shape alone
     for node in graph.node:
         for name in node.input:
             reads[name] = reads.get(name, 0) + 1
+        if _is_shape(node):
+            shapes[node.input[0]] = shapes.get(node.input[0], 0) + 1
     scores, labels = _dims(tensors, loss.input[0]), _dims(tensors, loss.input[1])
     if scores is None or len(scores) != 2 or labels is None or len(labels) != 1:
         return None
@@ -179,12 +184,14 @@ def _projection_chain(graph, loss, tensors, fetched, *, returned_scores):
         if name in fetched and (returned is not None or not returned_scores):
             return None
         returned = name if name in fetched else returned
-        if reads.get(name) != 1 or name not in producers:
+        if reads.get(name, 0) - shapes.get(name, 0) != 1 or name not in producers:  # Shapes: `_dense_shapes`
             return None
         node = producers[name]
         if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
             break
         if node.op_type == "Reshape" and reshape is None and _flattens(node, tensors):
+            if name in shapes:
+                return None  # the flattened scores' shape, read, would be the kept rows'
             reshape, name = node, node.input[0]
             continue
         if node.op_type in _ROW_WISE and node.domain in ("", "ai.onnx"):
@@ -205,6 +212,33 @@ def _projection_chain(graph, loss, tensors, fetched, *, returned_scores):
     if returned is not None and not _returned_exactly([node, *row_wise], returned, tensors):
         return None
     return node, row_wise, reshape, rows[-1] if len(rows) > 2 else None, returned
+
+
+def _is_shape(node):
+    return node.op_type == "Shape" and node.domain in ("", "ai.onnx") and not node.attribute
+
+
+def _dense_shapes(graph, chain, classes):
+    """Each Shape reading a tensor of `chain` (the projection and its row-wise nodes, whose outputs
+    are [..., classes] with the projection input's leading dims: a model's `logits.size(-1)`, as
+    DistilBERT's and T5's losses read it) computes that shape from the projection's input instead
+    (in place): the chain's tensors then hold the kept rows, or are gone. Returns the number redirected."""
+    outputs = {node.output[0] for node in chain}
+    hidden, make = chain[0].input[0], onnx.helper.make_node
+    nodes, redirected = [], 0
+    for node in graph.node:
+        if _is_shape(node) and node.input[0] in outputs:
+            redirected += 1
+            p = f"{node.output[0]}/dense_shape/"
+            nodes += [make("Shape", [hidden], [p + "hidden"]), int64_constant(p + "first", [0]),
+                      int64_constant(p + "last", [-1]), int64_constant(p + "classes", [classes]),
+                      make("Slice", [p + "hidden", p + "first", p + "last"], [p + "leading"]),
+                      make("Concat", [p + "leading", p + "classes"], [node.output[0]], axis=0)]
+        else:
+            nodes.append(node)
+    if redirected:
+        set_nodes(graph, nodes)
+    return redirected
 
 
 def _returned_exactly(chain, returned, tensors):
