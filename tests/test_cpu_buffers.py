@@ -71,3 +71,20 @@ def test_the_tightest_free_buffer_is_taken_and_the_pool_is_bounded(monkeypatch):
     assert cpu_buffers.empty((1000, 4096), torch.float32).data_ptr() == addresses[1]
     held = [cpu_buffers.empty((1000 + 10 * k, 4096), torch.float32) for k in range(3)]  # 2 pooled, 1 not
     assert len(cpu_buffers._pools[torch.float32]) == 2 and len({t.data_ptr() for t in held}) == 3
+
+
+def test_a_graph_output_bound_by_the_caller_is_written_in_place_only_where_it_fits():
+    params = {"graph_outputs": ["", "logits"]}
+    logits, other = torch.empty(4, 6), torch.empty(2, 3)
+    assert cpu_buffers.bound_output(params, 1, (4, 6), torch.float32) is None  # nothing bound outside a run
+    with cpu_buffers.bound_outputs({"logits": logits}):
+        assert cpu_buffers.bound_output(params, 1, (24,), torch.float32).data_ptr() == logits.data_ptr()
+        assert cpu_buffers.output(params, 1, (2, 12), torch.float32).data_ptr() == logits.data_ptr()
+        assert cpu_buffers.bound_output(params, 0, (4, 6), torch.float32) is None  # not a graph output
+        assert cpu_buffers.bound_output(params, 1, (4, 5), torch.float32) is None  # another size
+        assert cpu_buffers.bound_output(params, 1, (4, 6), torch.float64) is None  # another type
+        assert cpu_buffers.bound_output(params, 1, (4, 6), torch.float32, [logits[1:2], other]) is None  # read
+        assert cpu_buffers.bound_output(params, 1, (4, 6), torch.float32, [other]) is not None
+        assert cpu_buffers.output(params, 1, (4, 5), torch.float32).data_ptr() != logits.data_ptr()
+    with cpu_buffers.bound_outputs({"logits": logits.t()}):  # not contiguous
+        assert cpu_buffers.bound_output(params, 1, (6, 4), torch.float32) is None

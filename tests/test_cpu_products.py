@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
 from ort_trainer._graph.cpu_products import MATRIX_PRODUCT, matrix_products_in_torch
 from ort_trainer._onnx import torch_node_operator, torch_node_params_of
-from ort_trainer._runtime import product_speed
+from ort_trainer._runtime import cpu_buffers, product_kernels, product_speed
 from ort_trainer._runtime.torch_ops import register_executor
 from ort_trainer._torch_node_catalogue import LAYER_NORM_GRAD, ROWS_ADDED
 from ort_trainer.ortmodule import DebugOptions, ORTModule
@@ -128,11 +128,28 @@ def _train(make_model, desc, loss_fn, make_batch, options=None, steps=4):
     return losses, dict(trainer.model.named_parameters())
 
 
+@pytest.fixture
+def written_into_bound_buffers(monkeypatch):
+    """The graph outputs torch nodes wrote into the caller's bound buffers (`cpu_buffers.bound_output`)."""
+    written, original = [], cpu_buffers.bound_output
+
+    def recording(params, k, *args, **kwargs):
+        found = original(params, k, *args, **kwargs)
+        if found is not None:
+            written.append(params["graph_outputs"][k])
+        return found
+    monkeypatch.setattr(cpu_buffers, "bound_output", recording)
+    monkeypatch.setattr(product_kernels, "bound_output", recording)
+    return written
+
+
 @pytest.mark.parametrize("name", ["transformer", "mlp"])
 def test_a_model_with_its_products_in_torch_trains_as_the_onnx_runtime_graph(name, every_product_in_torch,
-                                                                                 monkeypatch):
+                                                                                 written_into_bound_buffers, monkeypatch):
     """The seed model (linears on sequences: weight gradients as transposed results) and an MLP
-    (Gemms with a bias): Adam steps within 1e-6 of the graph with ONNX Runtime's products."""
+    (Gemms with a bias): Adam steps within 1e-6 of the graph with ONNX Runtime's products. The products
+    write the weights' gradients, and the MLP's fetched logits, into ORTTrainer's bound buffers (ONNX
+    Runtime copied them there)."""
     case = {"transformer": (models.transformer, models.TRANSFORMER_DESC, models.transformer_loss,
                             models.transformer_batch),
             "mlp": (models.mlp, models.MLP_DESC, models.mlp_loss, models.mlp_batch)}[name]
@@ -142,6 +159,10 @@ def test_a_model_with_its_products_in_torch_trains_as_the_onnx_runtime_graph(nam
     assert len(every_product_in_torch) >= 3
     if name == "transformer":  # the vocabulary projection's weight gradient, after two LayerNormalizations
         assert (True, False, models.VOCAB, 7 * 4, 32) in every_product_in_torch
+        assert {"model.decoder.weight_grad", "model.transformer_encoder.layers.0.linear1.weight_grad"} <= set(
+            written_into_bound_buffers)
+    else:
+        assert {"model.net.0.weight_grad", "model.net.3.weight_grad", "logits"} <= set(written_into_bound_buffers)
     monkeypatch.setattr(product_speed, "torch_product_faster", lambda form, threads: False)
     expected_losses, expected_weights = _train(*case, options)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
@@ -245,10 +266,41 @@ def test_a_language_model_with_every_product_in_torch_trains_as_eager(every_prod
     assert (False, True, 16, 16, 40) in every_product_in_torch  # the projection, its 2 x 8 rows as one matrix
     graph = onnx.load(tmp_path / "gpt2_optimized_training.onnx").graph
     [added] = [node for node in graph.node if torch_node_operator(node) == ROWS_ADDED]
-    assert added.output[0] == "model.transformer.wte.weight_grad" and torch_node_params_of(added) == {"in_place": True}
+    assert added.output[0] == "model.transformer.wte.weight_grad" and torch_node_params_of(added)["in_place"]
     assert sum(torch_node_operator(node) == LAYER_NORM_GRAD for node in graph.node) == 3  # ln_1, ln_2, ln_f
     assert not any(node.op_type == "LayerNormalizationGrad" for node in graph.node)
     assert (False, False, 16, 40, 16) in every_product_in_torch  # its input gradient, dY W
+
+
+def test_a_tied_embeddings_rows_are_added_in_ortrainers_bound_gradient(every_product_in_torch,
+                                                                        written_into_bound_buffers, monkeypatch):
+    """GPT-2's wte is also lm_head's weight: the projection's weight gradient is written into the
+    bound gradient buffer and the looked-up rows added there (`rows_added` in place); Adam steps as
+    the graph with ONNX Runtime's products."""
+    transformers = pytest.importorskip("transformers")
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", 40])]}
+
+    def train():
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_head=2, n_embd=16, vocab_size=40, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, loss_type="ForCausalLM"))
+        trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=1e-2))
+        generator = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 40, (2, 8), generator=generator)
+            losses.append(trainer.train_step(input_ids=ids, labels=ids)[0].item())
+        return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    losses, weights = train()
+    assert "model.transformer.wte.weight_grad" in written_into_bound_buffers
+    monkeypatch.setattr(product_speed, "torch_product_faster", lambda form, threads: False)
+    expected_losses, expected_weights = train()
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+    for name, expected in expected_weights.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_with_recomputation_every_product_stays_in_onnx_runtime(every_product_in_torch, tmp_path):

@@ -19,8 +19,10 @@ from collections.abc import Callable
 
 import onnx
 
-from .._onnx import inferred_tensors, int64_constant, node_attributes, onnx_opset, set_nodes, torch_node
+from .._onnx import (inferred_tensors, int64_constant, node_attributes, onnx_opset, set_nodes, set_torch_node_params,
+                     torch_node, torch_node_operator, torch_node_params_of)
 from .._torch_node_catalogue import FUNCTION, GELU_GRAD, LAYER_NORM_GRAD  # torch's gelu_backward, layer norm's
+from .._torch_node_catalogue import LABELLED_PROJECTION, MATRIX_PRODUCT, ROWS_ADDED
 from .cpu_products import matrix_products_in_torch
 from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes, substitute_torch_kernels
@@ -58,6 +60,35 @@ def substitute_cpu_kernels(training, evaluation, *, faster_in_torch=None):
             matrix_products_in_torch(model, faster_in_torch)
         softmax_grads_in_torch(training)  # after bf16_logits_into_loss, which takes the bf16 losses' gradients
     rows_into_weight_gradients(training)  # after the products that write the weights' gradients went to torch
+    for model in {id(training): training, id(evaluation): evaluation}.values():
+        name_graph_outputs(model)
+
+
+# The torch nodes that can write a graph output into the caller's bound buffer (`_runtime.cpu_buffers.output`).
+_WRITE_BOUND_OUTPUTS = frozenset({MATRIX_PRODUCT, ROWS_ADDED, LABELLED_PROJECTION})
+
+
+def name_graph_outputs(model: onnx.ModelProto) -> int:
+    """Tells each torch node of `_WRITE_BOUND_OUTPUTS` that writes a graph output its name
+    (`params['graph_outputs']`, "" for its other outputs), in place; and the product whose result
+    an in-place ROWS_ADDED writing a graph output adds rows to, that output's name. Why: ONNX
+    Runtime copies a torch node's output into the buffer the caller bound to that output
+    (ORTTrainer's gradients, in its flat buffer, and fetched outputs), unless it is that buffer;
+    named, the node writes there (GPT-2's weight gradients: one copy of every parameter a step).
+    Returns the nodes named."""
+    outputs = {value.name for value in model.graph.output}
+    producers = {name: node for node in model.graph.node for name in node.output}
+    names = {}  # id(node) -> its outputs' graph output names
+    for node in model.graph.node:
+        if torch_node_operator(node) in _WRITE_BOUND_OUTPUTS and outputs.intersection(node.output):
+            names[id(node)] = (node, [name if name in outputs else "" for name in node.output])
+            writer = producers.get(node.input[0])
+            if (torch_node_operator(node) == ROWS_ADDED and torch_node_params_of(node)["in_place"]
+                    and writer is not None and torch_node_operator(writer) == MATRIX_PRODUCT):
+                names[id(writer)] = (writer, [node.output[0]])  # its result is the bound buffer, rows added there
+    for node, graph_outputs in names.values():
+        set_torch_node_params(node, {**torch_node_params_of(node), "graph_outputs": graph_outputs})
+    return len(names)
 
 
 _LOSS_ROWS = "/fast_sce"  # in the names of the rewritten loss's tensors

@@ -7,7 +7,12 @@ write: on the seed model's 700 x 28,782 logits that cost as much as the kernel w
 Runtime's own kernels write into its arena, which keeps its memory; these buffers do the same for
 the torch nodes. A buffer is handed out again only when nothing but this pool holds its storage
 (the tensor ONNX Runtime was given, or a graph output the caller kept, holds it otherwise).
+
+A torch node writing a graph output the caller bound a buffer to (`bound_outputs`: ORTTrainer's
+gradients and fetched outputs) writes into that buffer (`output`): ONNX Runtime copies a node's
+output into the bound buffer unless it is that buffer.
 """
+import contextlib
 import math
 import threading
 
@@ -20,6 +25,7 @@ _HEADROOM = 1.25  # a request just above a free buffer's size (its size varies) 
 _pools: dict[torch.dtype, list[torch.Tensor]] = {}  # dtype -> flat buffers, oldest first
 _lock = threading.Lock()  # runs of other threads' sessions take buffers too
 _COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")  # a torch without it: no pool (fresh memory each time)
+_bound = threading.local()  # `tensors`: the current run's bound outputs, on the thread that runs its nodes
 
 
 def _held_elsewhere(buffer):
@@ -65,3 +71,47 @@ def converted(tensor, dtype):
     if tensor.dtype == dtype:
         return tensor
     return empty(tensor.shape, dtype).copy_(tensor)
+
+
+@contextlib.contextmanager
+def bound_outputs(tensors):
+    """Within: the caller's tensors bound to graph outputs ({graph output name: CPU tensor}) for this
+    thread's runs (ONNX Runtime runs a sequential graph's nodes on the thread that called run)."""
+    previous = getattr(_bound, "tensors", None)
+    _bound.tensors = tensors
+    try:
+        yield
+    finally:
+        _bound.tensors = previous
+
+
+def output(params, k, shape, dtype, inputs=()):
+    """Output k of a torch node, a `shape` tensor of `dtype`: `bound_output` where there is one, else `empty`."""
+    found = bound_output(params, k, shape, dtype, inputs)
+    return empty(shape, dtype) if found is None else found
+
+
+def bound_output(params, k, shape, dtype, inputs=()):
+    """The caller's buffer bound to output k of a torch node, as a `shape` tensor, where that output
+    is a graph output (`params['graph_outputs']`, `_graph.cpu_kernels.name_graph_outputs`) bound
+    in `bound_outputs` to a contiguous tensor of that size and `dtype` apart from the node's
+    `inputs`; else None."""
+    names, tensors = params.get("graph_outputs"), getattr(_bound, "tensors", None)
+    found = tensors.get(names[k]) if names and tensors and names[k] else None
+    if (found is None or found.dtype != dtype or found.numel() != math.prod(shape) or not found.is_contiguous()
+            or any(_overlap(found, tensor) for tensor in inputs)):
+        return None
+    return found.view(shape)
+
+
+def _overlap(a, b):
+    """Whether the memory of tensors `a` and `b` may overlap (their extents' address ranges)."""
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    return start_a < start_b + _extent(b) and start_b < start_a + _extent(a)
+
+
+def _extent(tensor):
+    """The bytes from a tensor's first element to just past its last (strides non-negative)."""
+    if tensor.numel() == 0:
+        return 0
+    return (sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1) * tensor.element_size()

@@ -18,7 +18,7 @@ optional per-class bias; `alpha` scales the product and `beta` the bias, as ONNX
 import torch
 
 from .._onnx import in_operand_order
-from .cpu_buffers import empty
+from .cpu_buffers import empty, output
 
 
 def _empty(shape, like):
@@ -36,9 +36,11 @@ def _factors(inputs, params):
 
 
 def labelled_projection(inputs, params):
-    """[the scores of every row, in the input's leading dims; the kept rows' scores, [kept, classes]]."""
+    """[the scores of every row, in the input's leading dims (into the caller's bound buffer of the
+    fetched logits where there is one); the kept rows' scores, [kept, classes]]."""
     flat, weight, rows, bias = _factors(inputs, params)
-    scores = _empty((flat.shape[0], weight.shape[1]), flat)
+    shape = (flat.shape[0], weight.shape[1])
+    scores = output(params, 0, shape, torch.float32, inputs) if flat.device.type == "cpu" else _empty(shape, flat)
     if bias is not None:
         torch.addmm(bias, flat, weight, beta=params["beta"], alpha=params["alpha"], out=scores)
     else:

@@ -16,7 +16,7 @@ import torch
 
 from .._graph.bf16_products import scaled_in_fp32
 from .._onnx import in_operand_order
-from .cpu_buffers import converted, empty
+from .cpu_buffers import bound_output, converted, empty, output
 
 _BF16 = torch.bfloat16
 
@@ -130,12 +130,13 @@ def _vector_product_gradient(grad, a, b, operand):
 def matrix_product(inputs, params):
     """An fp32 product in ONNX Gemm's terms (`_graph.cpu_products`): alpha op(A) op(B) + beta C,
     the transposes read as views; an A of more than two dims is a batch of rows (untransposed),
-    multiplied as one matrix of all its rows. Written into a pooled buffer (`cpu_buffers`: a
-    vocabulary projection's 32 MiB result into fresh memory paid a page fault per 4 KiB)."""
+    multiplied as one matrix of all its rows. Written into the caller's bound buffer where the
+    result is a graph output, else a pooled one (`cpu_buffers`: a vocabulary projection's 32 MiB
+    result into fresh memory paid a page fault per 4 KiB)."""
     a, b = _transposed(inputs[0], params["trans_a"]), _transposed(inputs[1], params["trans_b"])
     rows = a.shape[:-1]
     a = a.reshape(-1, a.shape[-1])
-    result = empty((a.shape[0], b.shape[1]), torch.float32)
+    result = output(params, 0, (a.shape[0], b.shape[1]), torch.float32, inputs)
     if len(inputs) > 2:
         torch.addmm(inputs[2], a, b, beta=params["beta"], alpha=params["alpha"], out=result)
     else:
@@ -206,12 +207,16 @@ def log_softmax_fp32(inputs, params):
 
 def rows_added(inputs, params):
     """A weight's gradient with an embedding's rows added (`_graph.tied_embedding_gradient`): the
-    dense gradient (inputs[0]; written into where `in_place`: a torch node's output nothing else
-    reads), then `rows[k]` added to row `indices[k]` (indices [N, 1], negative ones counted from the
+    dense gradient (inputs[0]; copied into the caller's bound buffer of the result where there is
+    one, else written into where `in_place`: a torch node's output nothing else reads), then `rows[k]` added to row `indices[k]` (indices [N, 1], negative ones counted from the
     end, as GatherNDGrad's). A row looked up more than once gets its rows' sum, added in their
     order, then added to the dense gradient: the values of the Sum it replaces."""
     dense, indices, rows = inputs
-    result = dense if params["in_place"] else empty(dense.shape, dense.dtype).copy_(dense)
+    result = bound_output(params, 0, dense.shape, dense.dtype, inputs)
+    if result is not None or not params["in_place"]:
+        result = (empty(dense.shape, dense.dtype) if result is None else result).copy_(dense)
+    else:
+        result = dense
     with _one_thread():
         index = indices.reshape(-1)
         index = torch.where(index < 0, index + result.shape[0], index)

@@ -16,6 +16,7 @@ from .._graph.cpu_kernels import target_out_of_range
 from .._graph.gradient_builder_preparation import NO_GRADIENT_SUFFIX
 from .._onnx import inferred_tensors
 from .._torch_node_catalogue import AUTOGRAD_FUNCTION
+from .cpu_buffers import bound_outputs
 from .memory import TORCH_TO_NUMPY
 from .sessions import seed_random_ops
 from .torch_ops import raising_torch_op_errors
@@ -88,6 +89,7 @@ class CompiledGraph:
         self._bound: dict[bool, tuple[onnxruntime.InferenceSession, onnxruntime.IOBinding, set[str], list]] = {}
         self._first_runs = {True: sessions.first_run(), False: sessions.first_run()}
         self._grads_bound_to = None
+        self._grad_tensors: dict[str, torch.Tensor] = {}  # the bound gradients as CPU tensors, by output name
         self._random, self._priority_order = draws_random_numbers, priority_order
 
     def _session(self, training):
@@ -119,6 +121,7 @@ class CompiledGraph:
         if training and self._grads_bound_to is not grads:
             self._weights.bind_gradients(binding, grads, placement)
             self._grads_bound_to = grads
+            self._grad_tensors = self._weights.gradient_tensors(grads)
         for name in self._input_names:
             tensor = inputs[name]  # an input present when the graph was compiled: present in its signature
             if name in graph_inputs and tensor is not None:
@@ -132,7 +135,10 @@ class CompiledGraph:
             seed_random_ops()
         try:
             run_options = self._sessions.quiet_run_options if quiet else self._sessions.run_options
-            with raising_torch_op_errors():
+            written = {}  # the CPU tensors bound to outputs, which torch nodes write into
+            if placement.torch_device.type == "cpu":
+                written = dict(zip(self._fetched[training], outputs), **(self._grad_tensors if training else {}))
+            with raising_torch_op_errors(), bound_outputs(written):
                 session.run_with_iobinding(binding, run_options)
         except RuntimeError as error:
             explained = target_out_of_range(error)
@@ -171,6 +177,13 @@ class WeightBindings:
         """Points the gradient outputs at `grads` (a buffer in the flat layout)."""
         for name in self.flat.names:
             bind_array(binding, f"{name}_grad", self.flat.view(grads, name), placement, output=True)
+
+    def gradient_tensors(self, grads: Array) -> dict[str, torch.Tensor]:
+        """{gradient output name: its view of `grads` as a torch tensor}, for a CPU buffer (the torch
+        nodes that write gradients write there: `cpu_buffers.bound_outputs`); {} for a device one."""
+        if not isinstance(grads, np.ndarray):
+            return {}
+        return {f"{name}_grad": torch.from_numpy(self.flat.view(grads, name)) for name in self.flat.names}
 
 
 def bind_array(binding: onnxruntime.IOBinding, name: str, array: Array, placement: Placement, *, output: bool) -> None:
