@@ -181,7 +181,8 @@ def main(argv=None):
         result[f"{front}_dense_vs_sparse_worst_relative_loss_difference"] = max(
             abs(d - s) / abs(d) for d, s in zip(dense, sparse))
     where = "at random" if args.model == "bert" else "the first of each row"
-    print(f"{args.model} vocab {args.vocab}, {args.layers} layers, width {args.width}, {args.batch} x {args.seq} tokens, "
+    print(f"{args.model} vocab {args.vocab}, {args.layers} layers, width {args.width}, "
+          f"{args.batch} x {args.seq} tokens, "
           f"{100 * args.ignored:.0f}% of the labels -100 ({where}), {args.threads} threads; median ms/step of "
           f"{args.rounds} rounds x {args.steps}:")
     for engine in ENGINES:

@@ -144,8 +144,8 @@ def written_into_bound_buffers(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["transformer", "mlp"])
-def test_a_model_with_its_products_in_torch_trains_as_the_onnx_runtime_graph(name, every_product_in_torch,
-                                                                                 written_into_bound_buffers, monkeypatch):
+def test_a_model_with_its_products_in_torch_trains_as_the_onnx_runtime_graph(
+        name, every_product_in_torch, written_into_bound_buffers, monkeypatch):
     """The seed model (linears on sequences: weight gradients as transposed results) and an MLP
     (Gemms with a bias): Adam steps within 1e-6 of the graph with ONNX Runtime's products. The products
     write the weights' gradients, and the MLP's fetched logits, into ORTTrainer's bound buffers (ONNX

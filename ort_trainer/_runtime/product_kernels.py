@@ -208,8 +208,9 @@ def log_softmax_fp32(inputs, params):
 def rows_added(inputs, params):
     """A weight's gradient with an embedding's rows added (`_graph.tied_embedding_gradient`): the
     dense gradient (inputs[0]; copied into the caller's bound buffer of the result where there is
-    one, else written into where `in_place`: a torch node's output nothing else reads), then `rows[k]` added to row `indices[k]` (indices [N, 1], negative ones counted from the
-    end, as GatherNDGrad's). A row looked up more than once gets its rows' sum, added in their
+    one, else written into where `in_place`: a torch node's output nothing else reads), then
+    `rows[k]` added to row `indices[k]` (indices [N, 1], negative ones counted from the end, as
+    GatherNDGrad's). A row looked up more than once gets its rows' sum, added in their
     order, then added to the dense gradient: the values of the Sum it replaces."""
     dense, indices, rows = inputs
     result = bound_output(params, 0, dense.shape, dense.dtype, inputs)
