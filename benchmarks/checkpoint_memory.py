@@ -5,6 +5,7 @@ Run from the repository root:
 
     python benchmarks/checkpoint_memory.py                       # both models, the four configurations
     python benchmarks/checkpoint_memory.py --models mlp --json out.json
+    python benchmarks/checkpoint_memory.py --models gpt2 --gpt2-layers 12  # GPT-2 small's depth
 
 Models: `mlp`, 8 residual MLP blocks (width 512, hidden 2048, GELU), 16 x 512 tokens, each block
 under torch.utils.checkpoint (use_reentrant=False; --reentrant for the other form); `gpt2`, a GPT-2
@@ -65,11 +66,11 @@ def _mlp(checkpointed, reentrant):
     return Net(), batches, lambda model, x: model(x)
 
 
-def _gpt2(checkpointed, reentrant):
+def _gpt2(checkpointed, reentrant, layers=6):
     import torch
     import transformers
 
-    config = transformers.GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, n_positions=256,
+    config = transformers.GPT2Config(n_layer=layers, n_embd=512, n_head=8, vocab_size=8192, n_positions=256,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     model = transformers.GPT2LMHeadModel(config)
     if checkpointed:
@@ -80,14 +81,16 @@ def _gpt2(checkpointed, reentrant):
     return model, batches, lambda model, ids: model(input_ids=ids, labels=ids).loss
 
 
-def child(model_name, config, threads, reentrant):
+def child(model_name, config, threads, reentrant, gpt2_layers=6):
     """One configuration: {baseline_mib, before_step_mib, peak_mib, peak_above_baseline_mib}."""
     import gc
 
     import torch
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model, batches, loss_of = (_mlp if model_name == "mlp" else _gpt2)(config.endswith("checkpointed"), reentrant)
+    checkpointed = config.endswith("checkpointed")
+    model, batches, loss_of = (_mlp(checkpointed, reentrant) if model_name == "mlp"
+                               else _gpt2(checkpointed, reentrant, gpt2_layers))
     model.train()
     if config.startswith("ortmodule"):
         from ort_trainer import ORTModule
@@ -117,6 +120,7 @@ def main():
     parser.add_argument("--models", nargs="+", default=["mlp", "gpt2"], choices=["mlp", "gpt2"])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gpt2-layers", type=int, default=6, help="the GPT-2's layers (12: GPT-2 small's depth)")
     parser.add_argument("--reentrant", action="store_true",
                         help="mlp: use_reentrant=True; gpt2: Hugging Face's default (reentrant) either way")
     parser.add_argument("--json")
@@ -124,12 +128,13 @@ def main():
     args = parser.parse_args()
     if args.child:
         reentrant = args.reentrant if args.child[0] == "mlp" else None
-        print(json.dumps(child(*args.child, args.threads, reentrant)))
+        print(json.dumps(child(*args.child, args.threads, reentrant, args.gpt2_layers)))
         return
     results = {}
     for model_name in args.models:
         for config in args.configs:
-            command = [sys.executable, __file__, "--child", model_name, config, "--threads", str(args.threads)]
+            command = [sys.executable, __file__, "--child", model_name, config, "--threads", str(args.threads),
+                       "--gpt2-layers", str(args.gpt2_layers)]
             if args.reentrant:
                 command.append("--reentrant")
             done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)

@@ -70,17 +70,19 @@ def test_a_torch_node_runs_its_implementation(implementations):
     np.testing.assert_array_equal(shifted, x + 1)
 
 
-def test_a_graph_with_a_torch_node_plans_no_buffer_reuse(implementations):
-    """ONNX Runtime plans an output into a dead tensor's buffer, held until that output dies; a torch
-    node brings its own memory, so the buffer was held for nothing (`Sessions.session_options`)."""
+def test_a_graph_with_a_torch_node_plans_no_buffer_reuse_and_no_memory_pattern(implementations):
+    """ONNX Runtime plans an output into a dead tensor's buffer, held until that output dies, and its
+    memory pattern keeps room for every output; a torch node brings its own memory, so both held
+    memory for nothing (`Sessions.session_options`)."""
     implementations["ort_trainer::test_shift"] = lambda inputs, params: [inputs[0] + 1]
-    assert not _session("ort_trainer::test_shift").get_session_options().enable_mem_reuse
+    options = _session("ort_trainer::test_shift").get_session_options()
+    assert not options.enable_mem_reuse and not options.enable_mem_pattern
     graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
                                    [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"])],
                                    [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
     plain = onnx.helper.make_model(graph, ir_version=8, opset_imports=[onnx.helper.make_opsetid("", 17)])
     session = Sessions(Placement("cpu"), RuntimeSettings(threads=1)).create(plain.SerializeToString())
-    assert session.get_session_options().enable_mem_reuse
+    assert session.get_session_options().enable_mem_reuse and session.get_session_options().enable_mem_pattern
 
 
 def test_a_failing_implementation_fails_the_run_with_its_error(implementations):
