@@ -105,8 +105,9 @@ class Sessions:
 
 
 class FirstRun:
-    """A session's first run allocates tensor by tensor (ONNX Runtime records its memory pattern),
-    later ones take one planned block: the device's cached memory is released before the first run
+    """A session's first run allocates tensor by tensor (ONNX Runtime records its memory pattern;
+    a graph with torch nodes has none), later ones take one planned block: the device's cached
+    memory is released before the first run
     (`begin`: it runs on the memory in use, not on another session's free block) and after it
     (`end`: the process holds one of the two). No-ops once the first run has ended."""
 
