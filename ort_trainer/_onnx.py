@@ -129,12 +129,15 @@ def set_nodes(graph, nodes):
 
 _INDEX_OPS = frozenset({"Unsqueeze", "Squeeze", "Concat", "Cast", "Identity"})
 _MAX_INDEX_ELEMENTS = 64
+# Domain of the marker nodes our export symbolics leave for `_graph.gradient_builder_preparation` to
+# rewrite (none reaches ORT).
+MARKER_DOMAIN = "ort_trainer"
 # ONNX Runtime's ops whose output 0 has input 0's shape, unknown to ONNX's inference, and the export's
 # marker of an embedding's padding rows (`_export.symbolics`: every shape past a BERT's lookup was unknown)
 _SHAPE_KEEPING = frozenset({("com.microsoft", name) for name in (
     "LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization", "FastGelu", "Gelu", "BiasGelu",
     "QuickGelu", "Scale", "BiasDropout", "BitmaskDropout")} | {("", "SimplifiedLayerNormalization"),
-                                                                ("ort_trainer", "PaddingRows")})
+                                                                (MARKER_DOMAIN, "PaddingRows")})
 
 
 def _inference_nodes(nodes, opset):

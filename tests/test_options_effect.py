@@ -22,7 +22,7 @@ from ort_trainer._checkpoint_files import atomic_write
 from ort_trainer._configuration.options import _NOT_YET_SUPPORTED
 from ort_trainer._configuration.runtime_settings import RuntimeSettings
 from ort_trainer._configuration.validation import load_schema
-from ort_trainer._export.symbolics import MARKER_DOMAIN
+from ort_trainer._onnx import MARKER_DOMAIN
 from ort_trainer._graph.recompute import Recompute, layer_stack
 from ort_trainer._runtime import sessions
 from ort_trainer._graph.trainer_graph_builder import symbolic_shapes

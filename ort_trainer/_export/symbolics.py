@@ -11,12 +11,9 @@ from torch.onnx._internal.torchscript_exporter import (registration, symbolic_op
 from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 from torch.onnx.errors import SymbolicValueError
 
+from .._onnx import MARKER_DOMAIN
 from .autograd_functions import python_op
 from .torch_node_symbolics import torch_node_symbolics
-
-# Domain of the marker nodes our symbolics leave for `_graph.gradient_builder_preparation` to rewrite
-# (none reaches ORT).
-MARKER_DOMAIN = "ort_trainer"
 
 _EXPORTING = threading.RLock()  # the registry is process-wide: one export with our symbolics at a time
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from .._export.symbolics import MARKER_DOMAIN
-from .._onnx import inferred_tensors, int64_constant, node_attributes, set_nodes, torch_node_operator
+from .._onnx import (MARKER_DOMAIN, inferred_tensors, int64_constant, node_attributes, set_nodes,
+                     torch_node_operator)
 from .input_density import input_behind
 from .label_sparsity import kept_positions
 

@@ -8,9 +8,8 @@ from collections.abc import Collection
 
 import onnx
 
-from .._export.symbolics import MARKER_DOMAIN
 from .._export.torch_node_symbolics import RECURRENT
-from .._onnx import (computed_from, float_constant, inferred_tensors, int64_constant, node_attributes,
+from .._onnx import (MARKER_DOMAIN, computed_from, float_constant, inferred_tensors, int64_constant, node_attributes,
                      parameters_as_inputs, set_nodes, set_torch_node_params, torch_node_params_of)
 from .._torch_node_catalogue import RRELU_SLOPES
 from .gradients import cumsum_as_inclusive, extrema_differentiable, flips_as_gathers, register_gradients

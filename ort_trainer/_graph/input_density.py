@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._export.symbolics import MARKER_DOMAIN
-from .._onnx import node_attributes
+from .._onnx import MARKER_DOMAIN, node_attributes
 
 if TYPE_CHECKING:
     import onnx

@@ -213,11 +213,13 @@ def rows_added(inputs, params):
     GatherNDGrad's). A row looked up more than once gets its rows' sum, added in their
     order, then added to the dense gradient: the values of the Sum it replaces."""
     dense, indices, rows = inputs
-    result = bound_output(params, 0, dense.shape, dense.dtype, inputs)
-    if result is not None or not params["in_place"]:
-        result = (empty(dense.shape, dense.dtype) if result is None else result).copy_(dense)
-    else:
+    bound = bound_output(params, 0, dense.shape, dense.dtype, inputs)
+    if bound is not None:
+        result = bound.copy_(dense)
+    elif params["in_place"]:
         result = dense
+    else:
+        result = empty(dense.shape, dense.dtype).copy_(dense)
     with _one_thread():
         index = indices.reshape(-1)
         index = torch.where(index < 0, index + result.shape[0], index)
