@@ -2,7 +2,9 @@
 
 Trains the seed Wikitext-2 transformer for --steps steps on CUDA with ORTTrainer, compares every
 loss with a CPU run of the same graph (dropout off), and prints ms/step for ORTTrainer and for the
-PyTorch eager loop (Adam + clip 0.5) on the GPU:
+PyTorch loop (Adam + clip 0.5) on the GPU: eager with foreach and with fused Adam, and torch.compile
+where this torch can compile (the GPU bundle's cannot: no Triton; the reason is recorded). TF32 stays
+off (torch's default, which ORTTrainer follows), so the two devices differ only by rounding:
 
     python benchmarks/gpu_smoke.py --steps 50
 """
@@ -39,29 +41,48 @@ def ort_run(model, ntokens, data, device):
         src, label = src.to(device), label.to(device)
         start = time.perf_counter()
         loss = trainer.train_step(src, label)[0]
-        if device != "cpu":
-            torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     return losses, times
 
 
-def pytorch_run(model, ntokens, data, device):
+def pytorch_run(model, ntokens, data, device, *, adam, compiled=False):
+    """Step times of the PyTorch loop; `adam`: 'foreach' or 'fused'; `compiled`: torch.compile the
+    forward and backward."""
     model = copy.deepcopy(model).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, **{adam: True})
     loss_fn = make_loss_fn(ntokens)
+
+    def forward_backward(src, label):
+        loss = loss_fn(model(src), label)
+        loss.backward()
+        return loss
+    forward_backward = torch.compile(forward_backward) if compiled else forward_backward
     times = []
     for src, label in data:
         src, label = src.to(device), label.to(device)
         start = time.perf_counter()
         optimizer.zero_grad()
-        loss = loss_fn(model(src), label)
-        loss.backward()
+        forward_backward(src, label)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
-        torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return times
+
+
+def synchronize(device):
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def compiled_ms(model, args, data, warmup):
+    """ms/step of the torch.compile'd loop, or why it cannot run here."""
+    try:
+        return median_ms(pytorch_run(model, args.ntokens, data, args.device, adam="fused", compiled=True), warmup)
+    except Exception as error:  # no Triton (the GPU bundle), no C++ compiler
+        return f"unavailable: {type(error).__name__}: {str(error)[:200]}"
 
 
 def median_ms(times, warmup):
@@ -76,6 +97,7 @@ def main():
     parser.add_argument("--bptt", type=int, default=35)
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -87,8 +109,12 @@ def main():
     warmup = min(5, args.steps // 2)
     result = {"steps": args.steps, "worst_relative_loss_difference": worst,
               "ort_ms_per_step": median_ms(cuda_times, warmup),
-              "pytorch_eager_ms_per_step": median_ms(pytorch_run(model, args.ntokens, data, args.device), warmup),
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else args.device}
+              "device": torch.cuda.get_device_name() if args.device != "cpu" else args.device}
+    for adam in ("foreach", "fused"):
+        result[f"pytorch_eager_{adam}_ms_per_step"] = median_ms(
+            pytorch_run(model, args.ntokens, data, args.device, adam=adam), warmup)
+    result["pytorch_compile_fused_ms_per_step"] = "not run: --no-compile" if args.no_compile else compiled_ms(
+        model, args, data, warmup)
     print(json.dumps(result, indent=2))
     write_json(args.json, result)
     return 0 if worst <= 1e-4 else 1

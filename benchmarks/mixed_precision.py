@@ -7,8 +7,9 @@ eager and `torch.compile`d, and each engine's fp32 step. Seed model (examples/wi
 
 Per (model, dtype): warmup, then --rounds interleaved rounds of --steps steps per engine (the order
 alternates); reports the median of the per-round ms/step, the ratios against ORTTrainer, and the
-worst relative loss difference of ORTTrainer's first --warmup losses from eager autocast's (same
-init, same batches, dropout 0). CPU peak memory: benchmarks/train_step.py --measure-memory
+worst relative loss difference of ORTTrainer's and ORTModule's first --warmup losses from eager
+autocast's (same init, same batches, dropout 0). --engines picks engines: the torch ones alone need
+no ort_trainer (the GPU machine's own Python runs torch.compile, which the bundle cannot). CPU peak memory: benchmarks/train_step.py --measure-memory
 --mixed-precision. On the CPU fp16 is emulated (DESIGN.md, "Mixed precision"): slower than fp32
 there, as recorded in BENCHMARKS.md; bf16 runs torch's bf16 products inside the graph on CPUs with
 AMX or AVX512-BF16 and is refused on others. The JSON records the CPU's flags.
@@ -30,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples._report import write_json  # noqa: E402
 from examples.wikitext2.model import TransformerModel  # noqa: E402
 from examples.wikitext2.train import make_loss_fn  # noqa: E402
-from ort_trainer import ORTModule, ORTTrainer, ORTTrainerOptions, optim  # noqa: E402
-from ort_trainer._graph.autocast import cpu_has_bf16_instructions  # noqa: E402
+
+ENGINES = ("ort", "ortmodule", "torch eager", "torch.compile")
 
 
 class Workload:
@@ -93,6 +94,8 @@ def torch_step(workload, model, device, dtype, *, compiled):
 
 
 def ort_step(workload, model, device, dtype):
+    from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+
     options = {"device": {"id": device}}
     if dtype is not None:
         options["mixed_precision"] = {"enabled": True, "dtype": dtype}
@@ -105,16 +108,20 @@ def ort_step(workload, model, device, dtype):
         trainer.train_step(**kwargs)
 
 
-def engines(workload, device, dtype, *, compile_torch):
-    """{engine name: step function}, each on its own copy of the model."""
+def engines(workload, device, dtype, names):
+    """{engine name: step function} for `names`, each on its own copy of the model. ort_trainer is
+    imported only for its engines: the torch engines run where it is not installed (the GPU
+    machine's own Python, whose torch.compile the bundle's lacks)."""
     def fresh():
         return copy.deepcopy(workload.model).to(device).train()
-    steps = {"ort": ort_step(workload, fresh(), device, dtype),
-             "ortmodule": torch_step(workload, ORTModule(fresh()), device, dtype, compiled=False),
-             "torch eager": torch_step(workload, fresh(), device, dtype, compiled=False)}
-    if compile_torch:
-        steps["torch.compile"] = torch_step(workload, fresh(), device, dtype, compiled=True)
-    return steps
+
+    def ortmodule():
+        from ort_trainer import ORTModule
+        return torch_step(workload, ORTModule(fresh()), device, dtype, compiled=False)
+    makers = {"ort": lambda: ort_step(workload, fresh(), device, dtype), "ortmodule": ortmodule,
+              "torch eager": lambda: torch_step(workload, fresh(), device, dtype, compiled=False),
+              "torch.compile": lambda: torch_step(workload, fresh(), device, dtype, compiled=True)}
+    return {name: makers[name]() for name in names}
 
 
 def on_device(batch, device):
@@ -128,9 +135,9 @@ def synchronize(device):
 
 
 def measure(workload, device, dtype, args):
-    """Median ms/step per engine, and ORT's worst relative loss difference from eager autocast."""
+    """Median ms/step per engine, and each ORT engine's worst relative loss difference from eager's."""
     batches = [on_device(batch, device) for batch in workload.batches]
-    steps = engines(workload, device, dtype, compile_torch=not args.no_compile)
+    steps = engines(workload, device, dtype, args.engines)
     losses = {}
     for name, step in steps.items():  # warmup (compiles), and the losses of the first steps
         losses[name] = [step(*batch).item() for batch in batches[:args.warmup]]
@@ -144,7 +151,9 @@ def measure(workload, device, dtype, args):
                 steps[name](*batch)
             synchronize(device)
             times[name].append(1000 * (time.perf_counter() - start) / len(batches))
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["ort"], losses["torch eager"]))
+    eager = losses.get("torch eager")
+    worst = {name: max(abs(a - b) / abs(b) for a, b in zip(losses[name], eager))
+             for name in ("ort", "ortmodule") if name in losses and eager}
     return {name: statistics.median(values) for name, values in times.items()}, worst
 
 
@@ -165,13 +174,22 @@ def parse_args(argv=None):
     p.add_argument("--gpt2-heads", type=int, default=12)
     p.add_argument("--gpt2-batch", type=int, default=8)
     p.add_argument("--gpt2-block", type=int, default=512)
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
+                   help="which engines to run (ratios are against 'ort' when it runs)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if args.device == "cpu" and "bfloat16" in args.dtypes and not cpu_has_bf16_instructions():
+    if args.no_compile:
+        args.engines = [name for name in args.engines if name != "torch.compile"]
+    if args.device == "cpu" and "bfloat16" in args.dtypes and "ort" in args.engines and not _cpu_has_bf16():
         p.error("--dtypes bfloat16: this CPU has no bf16 instructions (AMX or AVX512-BF16), ORTTrainer refuses bf16 "
                 "on it (DESIGN.md, 'Mixed precision')")
     return args
+
+
+def _cpu_has_bf16():
+    from ort_trainer._graph.autocast import cpu_has_bf16_instructions
+    return cpu_has_bf16_instructions()
 
 
 def main(argv=None):
@@ -182,10 +200,11 @@ def main(argv=None):
         for dtype in args.dtypes:
             ms, worst = measure(workload, args.device, None if dtype == "float32" else dtype, args)
             results.append({"model": model_name, "dtype": dtype, "ms_per_step": ms,
-                            "torch_over_ort": {name: value / ms["ort"] for name, value in ms.items()},
-                            "ort_vs_eager_worst_relative_loss_difference": worst})
+                            "torch_over_ort": {name: value / ms["ort"] for name, value in ms.items()}
+                            if "ort" in ms else None,
+                            "worst_relative_loss_difference_from_eager": worst})
             print(f"{model_name:5s} {dtype:9s} " + " | ".join(f"{name} {value:8.2f} ms" for name, value in ms.items())
-                  + f" | ort vs eager loss {worst:.1e}", flush=True)
+                  + "".join(f" | {name} vs eager loss {value:.1e}" for name, value in worst.items()), flush=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "amx": torch.cpu._is_amx_tile_supported(),
         "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "threads": torch.get_num_threads()}

@@ -54,6 +54,18 @@ def test_a_library_that_cannot_load_names_its_wheel(monkeypatch):
         "install the nvidia-not-there-cu11 wheel (pip install -e '.[gpu]' in the ort-trainer checkout)")
 
 
+def test_cudnn_libraries_opened_only_for_convolutions_may_be_missing(monkeypatch):
+    """A trimmed CUDA install (the GPU bundle ships cuDNN's ops libraries alone) trains models without
+    convolutions: their libraries' absence is a warning naming them."""
+    monkeypatch.setattr(_cuda, "CUDA11_LIBRARIES", (("libcudnn_cnn_infer.so.8", "not_there", "nvidia-cudnn-cu11==8.9.*"),
+                                                    ("libcudnn_adv_train.so.8", "not_there", "nvidia-cudnn-cu11==8.9.*")))
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            "libcudnn_cnn_infer.so.8, libcudnn_adv_train.so.8 cannot be loaded: convolutions and recurrent layers on "
+            "CUDA will fail in cuDNN, other models train; install the nvidia-cudnn-cu11==8.9.* wheel (pip install "
+            "-e '.[gpu]' in the ort-trainer checkout)")):
+        assert preload_cuda11_libraries() == {}
+
+
 def test_an_ort_build_without_cuda_is_named():
     with pytest.raises(CudaUnavailable, match=re.escape(
             f"device.id asks for CUDA, but the installed ONNX Runtime {onnxruntime.__version__} has no "

@@ -12,6 +12,7 @@ import ctypes
 import importlib.util
 import os
 import sys
+import warnings
 
 from .._configuration.ortmodule_settings import FallbackPolicy
 from .._configuration.refusals import Refusal
@@ -38,6 +39,10 @@ CUDA11_LIBRARIES = (
     ("libnvrtc.so.11.2", "cuda_nvrtc", "nvidia-cuda-nvrtc-cu11"),
 )
 NVRTC11 = ("libnvrtc-builtins.so.11.8", "libnvrtc.so.11.2")
+# cuDNN opens these by name only for convolutions and recurrent layers: a CUDA path without them
+# (a trimmed install) still trains every other model, so their absence is a warning, not a refusal.
+FIRST_USE_ONLY = ("libcudnn_cnn_infer.so.8", "libcudnn_cnn_train.so.8", "libcudnn_adv_infer.so.8",
+                  "libcudnn_adv_train.so.8")
 
 
 class CudaUnavailable(Refusal, RuntimeError):
@@ -65,7 +70,7 @@ def preload_cuda11_libraries(sonames=None):
     """Loads the CUDA 11 libraries (all, or `sonames`, in CUDA11_LIBRARIES' order) with RTLD_GLOBAL
     before ORT or CuPy need them: from the nvidia wheels where installed, else by soname (the
     system's library path). Returns {soname: ctypes.CDLL}."""
-    loaded = {}
+    loaded, missing = {}, []
     for soname, package, wheel in CUDA11_LIBRARIES:
         if sonames is not None and soname not in sonames:
             continue
@@ -73,8 +78,14 @@ def preload_cuda11_libraries(sonames=None):
         try:
             loaded[soname] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as error:
-            raise CudaUnavailable(f"device.id asks for CUDA, but {soname} cannot be loaded ({error}); "
-                                  f"install the {wheel} wheel ({_GPU_EXTRA})") from error
+            if soname not in FIRST_USE_ONLY:
+                raise CudaUnavailable(f"device.id asks for CUDA, but {soname} cannot be loaded ({error}); "
+                                      f"install the {wheel} wheel ({_GPU_EXTRA})") from error
+            missing.append((soname, wheel))
+    if missing:
+        warnings.warn(f"{', '.join(soname for soname, _ in missing)} cannot be loaded: convolutions and recurrent "
+                      f"layers on CUDA will fail in cuDNN, other models train; install the {missing[0][1]} wheel "
+                      f"({_GPU_EXTRA})", RuntimeWarning, stacklevel=2)
     return loaded
 
 
