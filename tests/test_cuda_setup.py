@@ -1,14 +1,17 @@
 """What the CUDA path checks and chooses before any GPU work, tested where there is no GPU: the
 library folders, the errors that name what is missing, the shared CUDA arena's settings, and the
 dtypes and RNG it shares with the CPU path."""
+import io
 import re
 import warnings
 
+import onnx
 import onnxruntime
 import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
+from ort_trainer._graph.autocast import element_types, lower_precision
 from ort_trainer._runtime import cuda_requirements as _cuda
 from ort_trainer._runtime import session_config as _session_config
 from ort_trainer._runtime.cuda_requirements import (CudaUnavailable, nvidia_library, preload_cuda11_libraries,
@@ -157,3 +160,69 @@ def test_compiling_the_graphs_leaves_torchs_random_stream_alone():
             trainer.train_step(*batch)
         after_step.append(torch.rand(5))
     assert torch.equal(after_step[0], after_step[1])
+
+
+class _SmallCnn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3)
+        self.deconv = torch.nn.ConvTranspose2d(4, 2, 3)
+        self.linear = torch.nn.Linear(2 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.linear(torch.relu(self.deconv(torch.relu(self.conv(x)))).flatten(1))
+
+
+def _cuda_autocast_graph(dtype):
+    buffer = io.BytesIO()
+    torch.onnx.export(_SmallCnn(), (torch.randn(1, 2, 6, 6),), buffer, dynamo=False, input_names=["x"],
+                      do_constant_folding=False, export_params=False, opset_version=17)
+    model = onnx.load_from_string(buffer.getvalue())
+    assert lower_precision(model, dtype, device_type="cuda") == 3
+    return model, element_types(model)
+
+
+def test_cuda_bf16_keeps_convolutions_in_fp32_with_bf16_rounding_around_them():
+    """ONNX Runtime 1.19's CUDA Conv and ConvTranspose have no bf16 kernel: they compute in fp32 on
+    inputs rounded to bf16, their output rounded too; the linear's product runs in bf16."""
+    model, types = _cuda_autocast_graph("bfloat16")
+    producers = {output: node for node in model.graph.node for output in node.output}
+
+    def rounded(name):  # Cast(float) of a Cast(bfloat16)
+        cast = producers[name]
+        return (cast.op_type == "Cast" and cast.attribute[0].i == onnx.TensorProto.FLOAT
+                and producers[cast.input[0]].op_type == "Cast"
+                and producers[cast.input[0]].attribute[0].i == onnx.TensorProto.BFLOAT16)
+
+    convolutions = [node for node in model.graph.node if node.op_type in ("Conv", "ConvTranspose")]
+    assert sorted(node.op_type for node in convolutions) == ["Conv", "ConvTranspose"]
+    for node in convolutions:
+        assert all(types[name] == onnx.TensorProto.FLOAT and rounded(name) for name in node.input), node
+        output = node.output[0].removesuffix("__bfloat16")  # the old name, the rounded output's
+        assert types[output] == onnx.TensorProto.FLOAT and rounded(output)
+        assert producers[producers[output].input[0]].input == [node.output[0]]
+    (product,) = [node for node in model.graph.node if node.op_type in ("Gemm", "MatMul")]
+    assert {types[name] for name in product.input} == {onnx.TensorProto.BFLOAT16}
+
+
+def test_cuda_fp16_casts_convolutions_to_fp16():
+    model, types = _cuda_autocast_graph("float16")
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+            assert {types[name] for name in node.input} == {onnx.TensorProto.FLOAT16}, node
+
+
+def test_cuda_bf16_gives_a_tensor_read_by_a_convolution_and_a_product_a_copy_of_each_type():
+    """The convolution reads a rounded fp32 copy, the MatMul a bf16 one: two tensors, not one name."""
+    make, value = onnx.helper.make_node, onnx.helper.make_tensor_value_info
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [make("Conv", ["x", "x"], ["c"]), make("MatMul", ["x", "x"], ["m"])], "g",
+        [value("x", onnx.TensorProto.FLOAT, [1, 1, 3, 3])],
+        [value("c", onnx.TensorProto.FLOAT, [1, 1, 1, 1]), value("m", onnx.TensorProto.FLOAT, [1, 1, 3, 3])]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    assert lower_precision(model, "bfloat16", device_type="cuda") == 2
+    onnx.checker.check_model(model, full_check=True)
+    types = element_types(model)
+    nodes = {node.op_type: node for node in model.graph.node}
+    assert {types[name] for name in nodes["Conv"].input} == {onnx.TensorProto.FLOAT}
+    assert {types[name] for name in nodes["MatMul"].input} == {onnx.TensorProto.BFLOAT16}
