@@ -226,3 +226,59 @@ def test_cuda_bf16_gives_a_tensor_read_by_a_convolution_and_a_product_a_copy_of_
     nodes = {node.op_type: node for node in model.graph.node}
     assert {types[name] for name in nodes["Conv"].input} == {onnx.TensorProto.FLOAT}
     assert {types[name] for name in nodes["MatMul"].input} == {onnx.TensorProto.BFLOAT16}
+
+
+def _cuda_options(user_options=None):
+    """The CUDA provider options a trainer on cuda:0 with `user_options` (its provider_options) runs."""
+    from ort_trainer import ORTTrainerOptions
+    from ort_trainer._configuration.runtime_settings import RuntimeSettings
+
+    options = ORTTrainerOptions({"device": {"id": "cuda:0"},
+                                 "provider_options": {"CUDAExecutionProvider": user_options or {}}})
+    providers = _session_config.provider_options_from(RuntimeSettings.of_trainer(options, threads=1), [
+        ("CUDAExecutionProvider", _session_config.cuda_provider_options(0, 1234)), "CPUExecutionProvider"])
+    return providers[0][1]
+
+
+@pytest.fixture
+def torch_tf32():
+    """Sets torch's TF32 switch for cuBLAS matmuls (`api`: the legacy `allow_tf32` or
+    `fp32_precision`) for one test. Restored through both APIs: after a mix of the two, torch
+    refuses to read `allow_tf32`."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    yield lambda api, value: setattr(matmul, api, value)
+    matmul.allow_tf32 = saved == "tf32"
+    matmul.fp32_precision = saved
+
+
+@pytest.mark.parametrize("api, value, expected", [
+    ("fp32_precision", "none", "0"), ("allow_tf32", False, "0"), ("allow_tf32", True, "1"),
+    ("fp32_precision", "ieee", "0"), ("fp32_precision", "tf32", "1")])
+def test_ort_multiplies_in_tf32_where_torchs_matmul_does(torch_tf32, api, value, expected):
+    """ONNX Runtime's default is TF32; torch's is fp32, which the parity checks compare against."""
+    torch_tf32(api, value)
+    assert _cuda_options() == {"device_id": "0", "has_user_compute_stream": "1", "user_compute_stream": "1234",
+                               "use_tf32": expected}
+
+
+@pytest.mark.parametrize("torch_allows, users", [(True, 0), (False, 1), (False, "1")])
+def test_the_users_use_tf32_wins_over_torchs_switch(torch_tf32, torch_allows, users):
+    torch_tf32("allow_tf32", torch_allows)
+    assert _cuda_options({"use_tf32": users})["use_tf32"] == str(users)
+
+
+def test_a_changed_tf32_switch_shares_the_cuda_arena(torch_tf32, monkeypatch):
+    """use_tf32 is a session's setting, not the arena's: a trainer created after torch's switch
+    changed shares the first one's arena."""
+    calls = []
+    monkeypatch.setattr(_session_config, "_registered_cuda_arenas", {})
+    monkeypatch.setattr(onnxruntime, "create_and_register_allocator_v2", lambda *args: calls.append(args))
+    monkeypatch.setattr(onnxruntime, "OrtMemoryInfo", lambda *args: args)
+    resolved = []
+    for allowed in (False, True):
+        torch_tf32("allow_tf32", allowed)
+        resolved.append(_cuda_options({"gpu_mem_limit": 1000}))
+        _session_config.register_shared_cuda_arena(0, resolved[-1])
+    assert [options["use_tf32"] for options in resolved] == ["0", "1"]
+    assert len(calls) == 1 and calls[0][2] == {"device_id": "0", "gpu_mem_limit": "1000"}
