@@ -1,14 +1,17 @@
 """What the CUDA path checks and chooses before any GPU work, tested where there is no GPU: the
 library folders, the errors that name what is missing, the shared CUDA arena's settings, and the
 dtypes and RNG it shares with the CPU path."""
+import io
 import re
 import warnings
 
+import onnx
 import onnxruntime
 import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
+from ort_trainer._graph.autocast import element_types, lower_precision
 from ort_trainer._runtime import cuda_requirements as _cuda
 from ort_trainer._runtime import session_config as _session_config
 from ort_trainer._runtime.cuda_requirements import (CudaUnavailable, nvidia_library, preload_cuda11_libraries,
@@ -169,3 +172,125 @@ def test_compiling_the_graphs_leaves_torchs_random_stream_alone():
             trainer.train_step(*batch)
         after_step.append(torch.rand(5))
     assert torch.equal(after_step[0], after_step[1])
+
+
+class _SmallCnn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3)
+        self.deconv = torch.nn.ConvTranspose2d(4, 2, 3)
+        self.linear = torch.nn.Linear(2 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.linear(torch.relu(self.deconv(torch.relu(self.conv(x)))).flatten(1))
+
+
+def _cuda_autocast_graph(dtype):
+    buffer = io.BytesIO()
+    torch.onnx.export(_SmallCnn(), (torch.randn(1, 2, 6, 6),), buffer, dynamo=False, input_names=["x"],
+                      do_constant_folding=False, export_params=False, opset_version=17)
+    model = onnx.load_from_string(buffer.getvalue())
+    assert lower_precision(model, dtype, device_type="cuda") == 3
+    return model, element_types(model)
+
+
+def test_cuda_bf16_keeps_convolutions_in_fp32_with_bf16_rounding_around_them():
+    """ONNX Runtime 1.19's CUDA Conv and ConvTranspose have no bf16 kernel: they compute in fp32 on
+    inputs rounded to bf16, their output rounded too; the linear's product runs in bf16."""
+    model, types = _cuda_autocast_graph("bfloat16")
+    producers = {output: node for node in model.graph.node for output in node.output}
+
+    def rounded(name):  # Cast(float) of a Cast(bfloat16)
+        cast = producers[name]
+        return (cast.op_type == "Cast" and cast.attribute[0].i == onnx.TensorProto.FLOAT
+                and producers[cast.input[0]].op_type == "Cast"
+                and producers[cast.input[0]].attribute[0].i == onnx.TensorProto.BFLOAT16)
+
+    convolutions = [node for node in model.graph.node if node.op_type in ("Conv", "ConvTranspose")]
+    assert sorted(node.op_type for node in convolutions) == ["Conv", "ConvTranspose"]
+    for node in convolutions:
+        assert all(types[name] == onnx.TensorProto.FLOAT and rounded(name) for name in node.input), node
+        output = node.output[0].removesuffix("__bfloat16")  # the old name, the rounded output's
+        assert types[output] == onnx.TensorProto.FLOAT and rounded(output)
+        assert producers[producers[output].input[0]].input == [node.output[0]]
+    (product,) = [node for node in model.graph.node if node.op_type in ("Gemm", "MatMul")]
+    assert {types[name] for name in product.input} == {onnx.TensorProto.BFLOAT16}
+
+
+def test_cuda_fp16_casts_convolutions_to_fp16():
+    model, types = _cuda_autocast_graph("float16")
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+            assert {types[name] for name in node.input} == {onnx.TensorProto.FLOAT16}, node
+
+
+def test_cuda_bf16_gives_a_tensor_read_by_a_convolution_and_a_product_a_copy_of_each_type():
+    """The convolution reads a rounded fp32 copy, the MatMul a bf16 one: two tensors, not one name."""
+    make, value = onnx.helper.make_node, onnx.helper.make_tensor_value_info
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [make("Conv", ["x", "x"], ["c"]), make("MatMul", ["x", "x"], ["m"])], "g",
+        [value("x", onnx.TensorProto.FLOAT, [1, 1, 3, 3])],
+        [value("c", onnx.TensorProto.FLOAT, [1, 1, 1, 1]), value("m", onnx.TensorProto.FLOAT, [1, 1, 3, 3])]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    assert lower_precision(model, "bfloat16", device_type="cuda") == 2
+    onnx.checker.check_model(model, full_check=True)
+    types = element_types(model)
+    nodes = {node.op_type: node for node in model.graph.node}
+    assert {types[name] for name in nodes["Conv"].input} == {onnx.TensorProto.FLOAT}
+    assert {types[name] for name in nodes["MatMul"].input} == {onnx.TensorProto.BFLOAT16}
+
+
+def _cuda_options(user_options=None):
+    """The CUDA provider options a trainer on cuda:0 with `user_options` (its provider_options) runs."""
+    from ort_trainer import ORTTrainerOptions
+    from ort_trainer._configuration.runtime_settings import RuntimeSettings
+
+    options = ORTTrainerOptions({"device": {"id": "cuda:0"},
+                                 "provider_options": {"CUDAExecutionProvider": user_options or {}}})
+    providers = _session_config.provider_options_from(RuntimeSettings.of_trainer(options, threads=1), [
+        ("CUDAExecutionProvider", _session_config.cuda_provider_options(0, 1234)), "CPUExecutionProvider"])
+    return providers[0][1]
+
+
+@pytest.fixture
+def torch_tf32():
+    """Sets torch's TF32 switch for cuBLAS matmuls (`api`: the legacy `allow_tf32` or
+    `fp32_precision`) for one test. Restored through both APIs: after a mix of the two, torch
+    refuses to read `allow_tf32`."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    yield lambda api, value: setattr(matmul, api, value)
+    matmul.allow_tf32 = saved == "tf32"
+    matmul.fp32_precision = saved
+
+
+@pytest.mark.parametrize("api, value, expected", [
+    ("fp32_precision", "none", "0"), ("allow_tf32", False, "0"), ("allow_tf32", True, "1"),
+    ("fp32_precision", "ieee", "0"), ("fp32_precision", "tf32", "1")])
+def test_ort_multiplies_in_tf32_where_torchs_matmul_does(torch_tf32, api, value, expected):
+    """ONNX Runtime's default is TF32; torch's is fp32, which the parity checks compare against."""
+    torch_tf32(api, value)
+    assert _cuda_options() == {"device_id": "0", "has_user_compute_stream": "1", "user_compute_stream": "1234",
+                               "use_tf32": expected}
+
+
+@pytest.mark.parametrize("torch_allows, users", [(True, 0), (False, 1), (False, "1")])
+def test_the_users_use_tf32_wins_over_torchs_switch(torch_tf32, torch_allows, users):
+    torch_tf32("allow_tf32", torch_allows)
+    assert _cuda_options({"use_tf32": users})["use_tf32"] == str(users)
+
+
+def test_a_changed_tf32_switch_shares_the_cuda_arena(torch_tf32, monkeypatch):
+    """use_tf32 is a session's setting, not the arena's: a trainer created after torch's switch
+    changed shares the first one's arena."""
+    calls = []
+    monkeypatch.setattr(_session_config, "_registered_cuda_arenas", {})
+    monkeypatch.setattr(onnxruntime, "create_and_register_allocator_v2", lambda *args: calls.append(args))
+    monkeypatch.setattr(onnxruntime, "OrtMemoryInfo", lambda *args: args)
+    resolved = []
+    for allowed in (False, True):
+        torch_tf32("allow_tf32", allowed)
+        resolved.append(_cuda_options({"gpu_mem_limit": 1000}))
+        _session_config.register_shared_cuda_arena(0, resolved[-1])
+    assert [options["use_tf32"] for options in resolved] == ["0", "1"]
+    assert len(calls) == 1 and calls[0][2] == {"device_id": "0", "gpu_mem_limit": "1000"}

@@ -4,6 +4,7 @@ leak; no output aliasing an input; threads; ORT_PARALLEL refused), and the CPU g
 Runtime lacks (ResizeGrad, ConvTransposeGrad) in step with eager PyTorch in both front ends."""
 import copy
 import functools
+import re
 import resource
 import threading
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ort_trainer import ORTTrainer, optim
+from ort_trainer import ORTTrainer, _install, optim
 from ort_trainer._configuration.runtime_settings import RuntimeSettings
 from ort_trainer._export.trace import ExportError
 from ort_trainer._onnx import TORCH_NODE_DOMAIN as DOMAIN
@@ -181,6 +182,23 @@ def test_parallel_execution_is_refused_for_graphs_with_torch_nodes():
     with pytest.raises(ValueError, match="session_options.execution_mode=ORT_PARALLEL cannot run this graph: it runs "
                                          "torch kernels inside ONNX Runtime"):
         _session("ort_trainer::resize_grad", options=options)
+
+
+@pytest.mark.parametrize("version", ["1.20.0", "1.19.0"])
+def test_another_onnx_runtime_release_is_refused_before_the_executor_answers_its_callback(monkeypatch, version):
+    """ONNX Runtime after 1.19.2 inverted the ATen argument callback's meaning: a wrong answer, not an error."""
+    monkeypatch.setattr(onnxruntime, "__version__", version)
+    with pytest.raises(ImportError, match=re.escape(
+            "this graph runs torch kernels inside ONNX Runtime, whose ATen argument callback ort-trainer answers "
+            f"as onnxruntime 1.19.2 reads it (a later release inverted its meaning), but onnxruntime {version} is "
+            f"installed: install onnxruntime 1.19.2 ({_install._INSTALL})")):
+        _session("ort_trainer::resize_grad")
+
+
+def test_a_build_tag_of_the_release_is_accepted(implementations, monkeypatch):
+    monkeypatch.setattr(onnxruntime, "__version__", "1.19.2+cu118")
+    implementations["ort_trainer::test_double"] = lambda inputs, params: [inputs[0] * 2]
+    np.testing.assert_array_equal(_run(_session("ort_trainer::test_double"), np.full(3, 3, np.float32))[0], [6, 6, 6])
 
 
 # ------------------------------------------------------------------ gradients the CPU provider lacks

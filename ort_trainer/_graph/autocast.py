@@ -21,6 +21,11 @@ gradient of each round trip is a round trip), at fp32 speed plus the casts. In b
 with bf16 instructions (AMX or AVX512-BF16), the products run torch's bf16 kernels inside the graph
 instead (`_graph.bf16_products`; ONNX Runtime's CPU provider has no bf16 kernel); on others bf16
 is refused (`unsupported`): torch's bf16 products are slower than fp32 there.
+
+On CUDA the products run ONNX Runtime's fp16 and bf16 kernels, but for Conv and ConvTranspose in
+bf16: ONNX Runtime 1.19's CUDA kernels for those take float, double and float16 only (creating the
+session would fail), so they get the CPU's round trips around an fp32 convolution, the values
+autocast's bf16 convolution sees and returns (`EMULATED_ON_CUDA`).
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ from .bf16_products import products_as_torch_nodes
 LOWER_PRECISION_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul")
 COMPUTE_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 _FLOAT = onnx.TensorProto.FLOAT
+# {dtype: the ops ONNX Runtime's CUDA provider has no kernel for in it}: rounded around an fp32 node there.
+EMULATED_ON_CUDA = {"bfloat16": frozenset({"Conv", "ConvTranspose"})}
 # Ops whose first output's type is not their first input's (for `element_types`).
 _TYPE_CHANGING_OPS = {"Shape", "Size", "Cast", "CastLike", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
                       "Not", "And", "Or", "Xor", "IsNaN", "IsInf", "ArgMax", "ArgMin", "NonZero", "ConstantOfShape",
@@ -48,27 +55,30 @@ def lower_precision(model: onnx.ModelProto, dtype: str, *, device_type: str | No
     node that computes in fp32 are cast to `dtype` ('float16' or 'bfloat16'; one cast per tensor,
     shared by its consumers), the node computes in `dtype` and its output is cast back to fp32
     under its old name; on the CPU (`device_type`) bf16 products become torch nodes, the other
-    products round trips around the fp32 node (see the module docstring). `differentiable`: the
-    inputs gradients flow from. Returns the number of nodes rewritten."""
-    emulated = device_type == "cpu"
+    products round trips around the fp32 node, as on CUDA those with no kernel in `dtype`
+    (`EMULATED_ON_CUDA`; see the module docstring). `differentiable`: the inputs gradients flow
+    from. Returns the number of nodes rewritten."""
+    on_cpu = device_type == "cpu"
+    emulated_ops = LOWER_PRECISION_OPS if on_cpu else EMULATED_ON_CUDA.get(dtype, frozenset())
     types = element_types(model)
     rewritten = 0
-    if emulated and dtype == "bfloat16":
+    if on_cpu and dtype == "bfloat16":
         rewritten = len(products_as_torch_nodes(model, lambda node: _computes_in_fp32(node, types),
                                                 differentiable=differentiable))
     suffix = f"__{dtype}"
-    lowered = {}  # tensor -> its lower-precision copy (on the CPU: rounded, in fp32)
+    lowered = {}  # (tensor, emulated) -> its lower-precision copy (emulated: rounded, in fp32)
     nodes = []
     for node in model.graph.node:
         if node.op_type not in LOWER_PRECISION_OPS or not _computes_in_fp32(node, types):
             nodes.append(node)
             continue
+        emulated = node.op_type in emulated_ops
         for index in (index for index, name in enumerate(node.input) if name):
             name = node.input[index]
-            if name not in lowered:
-                lowered[name] = f"{name}{suffix}"
-                nodes += _casts(name, lowered[name], dtype, back=emulated)
-            node.input[index] = lowered[name]
+            if (name, emulated) not in lowered:
+                lowered[name, emulated] = f"{name}{suffix}_fp32" if emulated else f"{name}{suffix}"
+                nodes += _casts(name, lowered[name, emulated], dtype, back=emulated)
+            node.input[index] = lowered[name, emulated]
         output = node.output[0]
         node.output[0] = f"{output}{suffix}"
         nodes.append(node)

@@ -9,6 +9,7 @@ import os
 import tempfile
 
 import onnxruntime
+import torch
 
 from .._checkpoint_files import atomic_write
 from .._configuration.validation import CUDA_PROVIDER
@@ -82,6 +83,24 @@ def session_options_from(settings, base, entries):
     if recompute and _OFF_WITH_RECOMPUTE not in disabled:
         user.add_session_config_entry(_DISABLED_OPTIMIZERS, ",".join([*disabled, _OFF_WITH_RECOMPUTE]))
     return user
+
+
+def cuda_provider_options(index, stream):
+    """Our CUDA provider options on device `index`, running on the torch stream at `stream` (its
+    pointer).
+
+    ``use_tf32`` follows torch's matmul switch as it is now (off by default): ONNX Runtime's
+    default multiplies fp32 in TF32, torch's does not, and the parity checks (the re-derived
+    graph's proof, ``check_model_export``, ``export_onnx``'s check) compare the two in fp32. The
+    switch is read as ``torch.backends.cuda.matmul.fp32_precision``, which ``allow_tf32`` and
+    ``torch.set_float32_matmul_precision`` set too (reading ``allow_tf32`` raises once the newer
+    API was used). ONNX Runtime has that one switch where torch has two: cuDNN's
+    (``torch.backends.cudnn.allow_tf32``, on by default) is not followed, since TF32 where torch
+    computes in fp32 breaks parity, fp32 where torch used TF32 does not. The user's own
+    ``use_tf32`` in ``provider_options`` wins (`provider_options_from`)."""
+    tf32 = torch.backends.cuda.matmul.fp32_precision == "tf32"
+    return {"device_id": str(index), "has_user_compute_stream": "1", "user_compute_stream": str(stream),
+            "use_tf32": "1" if tf32 else "0"}
 
 
 def provider_options_from(settings, providers):

@@ -17,7 +17,7 @@ from .._onnx import TORCH_NODE_DOMAIN, quiet_session_options
 from . import product_speed
 from .cuda_requirements import require_cuda_provider
 from .memory import memory_policy
-from .session_config import provider_options_from, session_options_from
+from .session_config import cuda_provider_options, provider_options_from, session_options_from
 from .._configuration.runtime_settings import RuntimeSettings
 from .memory import CpuMemory, CudaMemory
 from .placement import Placement
@@ -36,9 +36,7 @@ class Sessions:
         self._settings = settings
         ours: list[str | tuple[str, dict[str, str]]] = [CPU_PROVIDER]
         if placement.stream is not None:
-            ours.insert(0, (CUDA_PROVIDER, {
-                "device_id": str(placement.index), "has_user_compute_stream": "1",
-                "user_compute_stream": str(placement.stream.cuda_stream)}))
+            ours.insert(0, (CUDA_PROVIDER, cuda_provider_options(placement.index, placement.stream.cuda_stream)))
         self.providers = provider_options_from(settings, ours)
         # ORT's end-of-run sync is dropped on CUDA: `Placement.step()` orders the streams instead
         config = {} if placement.stream is None else {"disable_synchronize_execution_providers": "1"}

@@ -13,6 +13,8 @@ Pure Python (ctypes), no compiled extension. What it must get right, each pinned
 - The callbacks take the GIL: a session with torch nodes must not run them on ONNX Runtime's
   inter-op threads while the calling thread holds the GIL (`Sessions.create` refuses
   ORT_PARALLEL for such graphs).
+- The argument callback answers as ONNX Runtime 1.19.2 reads it (a later release inverted its
+  meaning): other releases are refused by name before it is registered (`register_executor`).
 """
 from __future__ import annotations
 
@@ -24,11 +26,13 @@ import json
 import threading
 from collections.abc import Iterator
 
+import onnxruntime
 import torch
 import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
 from .._export.autograd_functions import function_call
+from .._install import _INSTALL
 from .._onnx import in_operand_order
 from .._torch_node_catalogue import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, AUTOGRAD_FUNCTION,
                                      AUTOGRAD_FUNCTION_GRAD, CONV_TRANSPOSE_GRAD, DETACH, EINSUM, EINSUM_GRAD,
@@ -58,6 +62,9 @@ _capsule_rename = ctypes.pythonapi.PyCapsule_SetName
 _capsule_rename.restype, _capsule_rename.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
 
 _lock = threading.Lock()  # registration
+# The ONNX Runtime release whose ATen kernel reads the argument callback as `_IS_TENSOR_ARGUMENT`
+# says (every argument a tensor); a later release inverted its meaning.
+ONNX_RUNTIME_RELEASE = "1.19.2"
 # (operator, exception) recorded by failed calls, and the Function contexts kept, per thread: ONNX
 # Runtime runs a sequential graph's nodes on the thread that called run, so each run finds its own.
 _recorded = threading.local()
@@ -365,7 +372,19 @@ def _execute(operator, overload, count_in, inputs, count_out, outputs):
 
 
 def register_executor() -> None:
-    """Registers the executor with ONNX Runtime, once per process (idempotent, thread-safe)."""
+    """Registers the executor with ONNX Runtime, once per process (idempotent, thread-safe).
+
+    Raises:
+        ImportError: the installed ONNX Runtime is not release `ONNX_RUNTIME_RELEASE` (a build
+            tag such as +cu118 aside), whose argument callback this executor answers; not a
+            RuntimeError, which the graph checks read as a graph ONNX Runtime cannot run.
+    """
+    installed = onnxruntime.__version__
+    if installed.split("+")[0] != ONNX_RUNTIME_RELEASE:
+        raise ImportError(f"this graph runs torch kernels inside ONNX Runtime, whose ATen argument callback "
+                          f"ort-trainer answers as onnxruntime {ONNX_RUNTIME_RELEASE} reads it (a later release "
+                          f"inverted its meaning), but onnxruntime {installed} is installed: install "
+                          f"onnxruntime {ONNX_RUNTIME_RELEASE} ({_INSTALL})")
     with _lock:
         if _registered:
             return
