@@ -9,8 +9,8 @@ Per (model, dtype): warmup, then --rounds interleaved rounds of --steps steps pe
 alternates); reports the median of the per-round ms/step, the ratios against ORTTrainer, and the
 worst relative loss difference of ORTTrainer's and ORTModule's first --warmup losses from eager
 autocast's (same init, same batches, dropout 0). --engines picks engines: the torch ones alone need
-no ort_trainer (the GPU machine's own Python runs torch.compile, which the bundle cannot). CPU peak memory: benchmarks/train_step.py --measure-memory
---mixed-precision. On the CPU fp16 is emulated (DESIGN.md, "Mixed precision"): slower than fp32
+no ort_trainer (the GPU machine's own Python runs torch.compile, which the bundle cannot).
+CPU peak memory: benchmarks/train_step.py --measure-memory --mixed-precision. On the CPU fp16 is emulated (DESIGN.md, "Mixed precision"): slower than fp32
 there, as recorded in BENCHMARKS.md; bf16 runs torch's bf16 products inside the graph on CPUs with
 AMX or AVX512-BF16 and is refused on others. The JSON records the CPU's flags.
 
@@ -193,7 +193,11 @@ def _cpu_has_bf16():
 
 
 def main(argv=None):
+    """Runs every (model, dtype); the JSON is rewritten after each, so a run cut short keeps what it measured."""
     args = parse_args(argv)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "amx": torch.cpu._is_amx_tile_supported(),
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "threads": torch.get_num_threads()}
     results = []
     for model_name in args.models:
         workload = Workload(model_name, args)
@@ -205,10 +209,8 @@ def main(argv=None):
                             "worst_relative_loss_difference_from_eager": worst})
             print(f"{model_name:5s} {dtype:9s} " + " | ".join(f"{name} {value:8.2f} ms" for name, value in ms.items())
                   + "".join(f" | {name} vs eager loss {value:.1e}" for name, value in worst.items()), flush=True)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else {
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "amx": torch.cpu._is_amx_tile_supported(),
-        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "threads": torch.get_num_threads()}
-    write_json(args.json, {"device": device, "config": vars(args) | {"json": str(args.json)}, "results": results})
+            write_json(args.json, {"device": device, "config": vars(args) | {"json": str(args.json)},
+                                   "results": results})
     return results
 
 
