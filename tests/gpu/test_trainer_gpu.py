@@ -79,6 +79,17 @@ def test_a_model_on_the_cpu_is_moved_to_the_cuda_trainers_device(cpu_run):
     _assert_close(_train(trainer, "cuda"), cpu_run[0], _weights(trainer), cpu_run[1])
 
 
+def test_a_target_out_of_range_is_refused_before_the_cuda_kernel_reads_it():
+    """ONNX Runtime's CUDA loss kernel does not check targets: the trainer does, with the CPU's error."""
+    trainer = _trainer("cuda")
+    src, label = (t.to("cuda") for t in models.transformer_batch(0))
+    trainer.train_step(src, label)
+    label[0] = models.VOCAB
+    with pytest.raises(IndexError, match=r"out of range: the loss takes targets in \[0, 50\) or ignore_index=-100"):
+        trainer.train_step(src, label)
+    assert trainer.train_step_info.step == 1
+
+
 def test_cuda_trains_like_the_cpu_inside_the_callers_stream(cpu_run):
     trainer = _trainer("cuda")
     losses = _train(trainer, "cuda", stream=torch.cuda.Stream())
