@@ -157,6 +157,18 @@ def lamb_step_float64(params, grads, state, step, lr, alpha=0.9, beta=0.999, lam
         w -= lr * ratio * direction
 
 
+def comparable(name, tensor):
+    """Without the attention key bias (the middle third of nn.MultiheadAttention's in_proj_bias and
+    GPT-2's c_attn bias, BERT's key bias whole): its true gradient is exactly zero (softmax ignores
+    a shift shared by all keys), so Adam/Lamb turn rounding noise into lr-sized steps in any framework."""
+    if name.endswith(("self_attn.in_proj_bias", "attn.c_attn.bias")):
+        third = tensor.numel() // 3
+        return torch.cat([tensor[:third], tensor[2 * third:]])
+    if name.endswith("attention.self.key.bias"):
+        return tensor[:0]
+    return tensor
+
+
 def torch_loop(model, loss_fn, batches, make_optimizer, max_norm=None, lamb=None):
     """Eager PyTorch: the losses per step and the final parameters (a deep copy is trained).
 

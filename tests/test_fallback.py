@@ -14,7 +14,8 @@ from ort_trainer import ORTTrainer, optim
 from ort_trainer._compile import exports as trainer_exports
 from ort_trainer._compile import inference
 from ort_trainer._configuration.ortmodule_settings import FallbackPolicy
-from ort_trainer._configuration.refusals import DeviceRefused, OnnxModelRefused, TorchModelRefused, shown_name
+from ort_trainer._configuration.refusals import (DeviceRefused, OnnxModelRefused, TorchModelRefused, device_failure,
+                                                  shown_name)
 from ort_trainer._export.autograd_functions import AutogradFunctionRefused
 from ort_trainer._export.binding import BindingError
 from ort_trainer._export.guards import DataDependentTraceError
@@ -161,6 +162,60 @@ def test_a_rederived_graph_onnx_runtime_rejects_is_traced_again_and_a_bug_propag
     with pytest.raises(KeyError, match="a bug"):
         trainer.train_step(*models.mlp_batch(1, batch=5))
     assert traces["traces"] == 3  # the bug was not taken for a shape the export baked in
+
+
+DEVICE_FAILURES = [
+    RuntimeError("CUDA error: an illegal memory access was encountered"),
+    ort_errors.Fail("[ONNXRuntimeError] : 1 : FAIL : CUDA failure 2: out of memory ; GPU=0"),
+    ort_errors.RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Failed to allocate memory for "
+                                "requested buffer of size 4194304"),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+]
+
+
+@pytest.mark.parametrize("error", DEVICE_FAILURES, ids=lambda error: type(error).__name__)
+def test_the_device_failing_in_a_proof_propagates_and_nothing_is_traced_again(monkeypatch, traces, error):
+    """Out of memory or a CUDA error says nothing about the graph: the proof re-raises it rather
+    than trace again (which would hide it or fail the same way)."""
+    trainer = _mlp_trainer()
+    trainer.train_step(*models.mlp_batch(0, batch=8))
+    _eval_run_fails(monkeypatch, error)
+    with pytest.raises(type(error)) as raised:
+        trainer.train_step(*models.mlp_batch(1, batch=5))  # re-derived: its proof's eval run fails
+    assert raised.value is error and traces["traces"] == 1
+
+
+def test_the_device_failing_in_the_proofs_torch_forward_propagates(monkeypatch, traces):
+    trainer = _mlp_trainer()
+    trainer.train_step(*models.mlp_batch(0, batch=8))
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def forward(*args):
+        raise error
+
+    monkeypatch.setattr(trainer_exports, "TracedStep", lambda *args: forward)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.train_step(*models.mlp_batch(1, batch=5))
+    assert raised.value is error and traces["traces"] == 1
+
+
+def test_the_device_failing_in_export_onnxs_proof_propagates(monkeypatch):
+    error = RuntimeError("CUDA error: out of memory")
+
+    def fails(*args):
+        raise error
+
+    monkeypatch.setattr(inference, "_session_outputs", fails)
+    with pytest.raises(RuntimeError) as raised:
+        inference._runs_like_torch(b"", [], [], [])
+    assert raised.value is error
+
+
+def test_device_failures_are_told_from_graphs_onnx_runtime_cannot_run():
+    assert all(device_failure(error) for error in [*DEVICE_FAILURES, MemoryError()])
+    assert not any(device_failure(error) for error in [
+        ort_errors.RuntimeException("Reshape: the input tensor cannot be reshaped"),
+        ort_errors.InvalidArgument("Out of range value in index tensor"), RuntimeError("Cast: unsupported type")])
 
 
 def test_check_model_export_keeps_onnx_runtimes_error_chained(monkeypatch):

@@ -145,18 +145,6 @@ def _trainer(model, loss_fn, desc, *, optimizer="adam", **mixed_precision):
         return ORTTrainer(model, desc, OPTIMIZERS[optimizer][0](), loss_fn=loss_fn, options=ORTTrainerOptions(options))
 
 
-def _comparable(name, tensor):
-    """Drops the attention key bias (nn.MultiheadAttention's middle third of in_proj_bias, GPT-2's
-    c_attn key columns): its true gradient is exactly zero (softmax ignores a shift shared by all
-    keys), so Adam turns rounding noise into lr-sized steps in both frameworks."""
-    if name.endswith("self_attn.in_proj_bias") or name.endswith("attn.c_attn.bias"):
-        third = tensor.numel() // 3
-        return torch.cat([tensor[:third], tensor[2 * third:]])
-    if name.endswith("attention.self.key.bias"):
-        return tensor[:0]
-    return tensor
-
-
 def _relative(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() if b.numel() else 0.0
 
@@ -171,7 +159,7 @@ def train_both(case, *, optimizer="adam", **mixed_precision):
     expected_losses, expected = autocast_losses(model, loss_fn, batches, optimizer=optimizer)
     trainer = _trainer(model, loss_fn, desc, optimizer=optimizer, enabled=True, **mixed_precision)
     losses = [trainer.train_step(*args, **kwargs)[0].item() for args, kwargs in batches]
-    worst = max(_relative(_comparable(name, p.detach()), _comparable(name, expected[name].detach()))
+    worst = max(_relative(models.comparable(name, p.detach()), models.comparable(name, expected[name].detach()))
                 for name, p in trainer.model.named_parameters())
     return losses, expected_losses, worst
 

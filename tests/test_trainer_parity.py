@@ -30,15 +30,6 @@ def _relative(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def _comparable(name, tensor):
-    """Drops the attention key bias: its true gradient is exactly zero (softmax ignores a shift
-    shared by all keys), so Adam/Lamb turn float noise (~1e-9) into lr-sized steps in both frameworks."""
-    if name.endswith("self_attn.in_proj_bias"):
-        third = tensor.numel() // 3
-        return torch.cat([tensor[:third], tensor[2 * third:]])
-    return tensor
-
-
 def assert_parity(case, optimizer, clip):
     make_model, loss_fn, desc, make_batch = CASES[case]
     make_config, make_torch_optimizer, lamb = OPTIMIZERS[optimizer]
@@ -54,7 +45,7 @@ def assert_parity(case, optimizer, clip):
         assert abs(loss.item() - expected_losses[step]) <= 1e-4 * abs(expected_losses[step]), (step, loss)
     trained = dict(trainer.model.named_parameters())
     for name, expected in expected_params.items():
-        assert _relative(_comparable(name, trained[name].detach()), _comparable(name, expected)) <= 1e-4, name
+        assert _relative(models.comparable(name, trained[name].detach()), models.comparable(name, expected)) <= 1e-4, name
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

@@ -2,7 +2,7 @@
 shape, and the proof of a graph against torch's eval-mode forward at its shape."""
 import torch
 
-from .._configuration.refusals import ONNX_RUNTIME_ERRORS
+from .._configuration.refusals import ONNX_RUNTIME_ERRORS, device_failure
 from .._export.binding import present_inputs, training_flags_kept
 from .._export.onnx_model import Traced
 from .._export.probe import check_traceable
@@ -37,6 +37,8 @@ def check_eval_graph(graph, model, loss_fn, binding, values, output_names, fetch
     try:
         ours = graph.run(values, training=False, quiet=True)
     except ONNX_RUNTIME_ERRORS as error:  # e.g. a Reshape to a size the exporter baked in
+        if device_failure(error):
+            raise
         raise GraphDiffers(f"the exported graph fails: {type(error).__name__}: {str(error).splitlines()[0]}") from error
     rtol, atol = PROOF_TOLERANCES[compute_dtype]
     for name, tensor in zip(fetched, ours):

@@ -2,7 +2,7 @@
 Runtime against torch (dims the exporter baked in made static)."""
 import torch
 
-from .._configuration.refusals import ONNX_RUNTIME_ERRORS
+from .._configuration.refusals import ONNX_RUNTIME_ERRORS, device_failure
 from .._export.binding import training_flags_kept
 from .._export.trace import ExportError, TracedStep, export_eval_model
 
@@ -63,10 +63,12 @@ def _session_outputs(serialized, names, inputs):
 
 def _runs_like_torch(serialized, names, inputs, expected):
     """Whether the model computes what torch does on `inputs`; False where ONNX Runtime fails on them
-    (a dim the exporter baked in). Other errors propagate."""
+    (a dim the exporter baked in). Other errors (the device failing too) propagate."""
     try:
         outputs = _session_outputs(serialized, names, inputs)
-    except ONNX_RUNTIME_ERRORS:
+    except ONNX_RUNTIME_ERRORS as error:
+        if device_failure(error):
+            raise
         return False
     return all(torch.allclose(out, ref.cpu(), rtol=1e-4, atol=1e-5) for out, ref in zip(outputs, expected))
 

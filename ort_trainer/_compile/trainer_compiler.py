@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import onnx
 import torch
 
-from .._configuration.refusals import ONNX_RUNTIME_ERRORS
+from .._configuration.refusals import ONNX_RUNTIME_ERRORS, device_failure
 from .._export.running_statistics import sync_batch_norm_refused
 from .._export.fingerprint import NotPortable, model_fingerprint
 from .._export.trace import graph_name
@@ -190,12 +190,14 @@ class StepCompiler:
         """(parts, graph) re-derived for a new shape, if it builds and its eval graph matches torch's
         forward there; None where it differs or ONNX Runtime (or a graph pass) refuses it at this shape
         (e.g. a size the first trace saw as 1 was specialized): tracing it again decides. Other errors
-        (bugs) propagate."""
+        (bugs, the device failing: out of memory, a CUDA error) propagate."""
         assert export.model is not None  # an export without graphs on disk has its model
         try:
             parts, graph = self._build(export.model, values, outputs, export.model_state, weights)
             self.check_against_torch(graph, values, outputs)
-        except (GraphDiffers, NotImplementedError, *ONNX_RUNTIME_ERRORS):
+        except (GraphDiffers, NotImplementedError, *ONNX_RUNTIME_ERRORS) as error:
+            if device_failure(error):
+                raise
             return None
         return parts, graph
 

@@ -7,6 +7,8 @@ the policy. The refusals defined here only add a category to NotImplementedError
 by it in messages (`shown_name`); the stages' own refusal classes (BindingError, ExportError, ...)
 derive from `Refusal` too.
 """
+import re
+
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort
 
 from .ortmodule_settings import FallbackPolicy
@@ -15,6 +17,19 @@ from .ortmodule_settings import FallbackPolicy
 #: for its C++ exceptions (and ours, e.g. a torch kernel failing inside the graph)
 ONNX_RUNTIME_ERRORS = (RuntimeError, _ort.Fail, _ort.InvalidArgument, _ort.InvalidGraph, _ort.InvalidProtobuf,
                        _ort.NotImplemented, _ort.RuntimeException, _ort.EPFail, _ort.EngineError)
+
+
+# What a failing device says (ONNX Runtime's CUDA_CALL/CUBLAS_CALL/... and BFC arena, torch, CuPy):
+# no property of the graph, so no reason to try another graph.
+_DEVICE_FAILURE = re.compile(r"CUDA (error|failure)|CU(BLAS|DNN|RAND|FFT|SPARSE) failure|NCCL (error|failure)|"
+                             r"cudaError|out of memory|Failed to allocate memory", re.IGNORECASE)
+
+
+def device_failure(error: BaseException) -> bool:
+    """Whether `error` is the device failing (out of memory, a CUDA error) rather than a graph
+    ONNX Runtime cannot build or run: such an error propagates from a catch of
+    `ONNX_RUNTIME_ERRORS` (re-tracing would hide it, or fail the same way)."""
+    return isinstance(error, MemoryError) or bool(_DEVICE_FAILURE.search(str(error)))
 
 
 class Refusal(Exception):

@@ -28,6 +28,7 @@ from .torch_node_shapes import set_value_info
 from .torch_nodes import replace_nodes, substitute_torch_kernels
 from .bf16_products import bf16_casts_in_torch, bf16_logits_into_loss, bf16_outputs_from_products
 from .loss_gradient import softmax_grads_in_torch
+from .loss_targets import out_of_range_error
 from .tied_embedding_gradient import rows_into_weight_gradients
 
 
@@ -129,10 +130,7 @@ def target_out_of_range(error: Exception) -> IndexError | None:
     if match is None:
         return None
     classes, ignore_index = match.groups()
-    ignored = "" if ignore_index == "none" else f" or ignore_index={ignore_index}"
-    return IndexError(f"a target (class index) of the cross-entropy loss is out of range: the loss takes targets in "
-                      f"[0, {classes}){ignored}, as torch's cross_entropy (which raises 'Target ... is out of bounds' "
-                      "for the same batch); nothing was updated and the step is not counted")
+    return out_of_range_error(classes, None if ignore_index == "none" else ignore_index)
 
 
 def _classes(graph, logits):

@@ -35,24 +35,46 @@ class Placement:
             self.xp = require_cuda(self.index)
             self.stream = torch.cuda.Stream(self.torch_device)
 
+    def take(self, model):
+        """Moves `model`'s parameters and buffers to this device (`model.to`; those already there
+        stay as they are): the graphs and the torch-side probe read the model's own tensors, and the
+        original ORTTrainer accepted a model on any device (it kept the weights in ONNX Runtime)."""
+        model.to(self.torch_device)
+
+    @contextlib.contextmanager
     def allocating(self):
-        """Context in which new CuPy buffers land on this device (flat buffers, optimizer state)."""
-        return contextlib.nullcontext() if self.stream is None else self.xp.cuda.Device(self.index)
+        """Context in which new CuPy buffers land on this device (flat buffers, optimizer state, the
+        loss scale) and their first values (host copies, fills) are queued on the placement's
+        stream, ahead of the steps that read them (on another stream they would be unordered)."""
+        if self.stream is None:
+            yield
+            return
+        with self._on_stream():
+            yield
+
+    @contextlib.contextmanager
+    def _on_stream(self):
+        """Torch's and CuPy's current stream set to the placement's, on its device."""
+        with torch.cuda.stream(self.stream), self.xp.cuda.Device(self.index), \
+                self.xp.cuda.ExternalStream(self.stream.cuda_stream, self.index):
+            yield
 
     @contextlib.contextmanager
     def step(self):
         """Context of one step's device work (graph, all-reduce, clip, update) on the placement's
         stream, ordered after the caller's current stream (its inputs are ready) and before it
-        (its next work, the outputs' `.item()`, sees the results). Nothing to do on the CPU."""
+        (its next work, the outputs' `.item()`, sees the results), also when the step raises.
+        Nothing to do on the CPU."""
         if self.stream is None:
             yield
             return
         caller = torch.cuda.current_stream(self.torch_device)
         self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream), self.xp.cuda.Device(self.index), \
-                self.xp.cuda.ExternalStream(self.stream.cuda_stream, self.index):
-            yield
-        caller.wait_stream(self.stream)
+        try:
+            with self._on_stream():
+                yield
+        finally:  # work queued before an error too: the caller's next work must not overtake it
+            caller.wait_stream(self.stream)
 
     def returned(self, outputs):
         """The step's outputs, handed to the caller's stream: allocated on the placement's stream,

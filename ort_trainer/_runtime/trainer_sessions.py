@@ -14,6 +14,7 @@ from onnxruntime.capi import _pybind_state as C
 from .._export.guards import TracedState
 from .._graph.cpu_kernels import target_out_of_range
 from .._graph.gradient_builder_preparation import NO_GRADIENT_SUFFIX
+from .._graph.loss_targets import UNCHECKED_DEVICES, check_targets, loss_targets
 from .._onnx import inferred_tensors
 from .._torch_node_catalogue import AUTOGRAD_FUNCTION
 from .cpu_buffers import bound_outputs
@@ -80,6 +81,9 @@ class CompiledGraph:
         statistics = list(batch_statistics.outputs) if batch_statistics is not None else []
         self._fetched = {True: list(output_names) + statistics, False: list(output_names)}
         self._graphs = {True: training_graph, False: eval_graph}
+        # the inputs a loss reads targets from, checked before each run where the kernels would not
+        self._targets = (loss_targets(onnx.load_from_string(eval_graph))
+                         if sessions.placement.ort_device in UNCHECKED_DEVICES else {})
         self.runs_autograd_functions = AUTOGRAD_FUNCTION.encode() in training_graph  # custom Functions' nodes
         self._sessions = sessions
         self._weights = weights
@@ -115,6 +119,7 @@ class CompiledGraph:
         gradient and changes nothing. `quiet`: ONNX Runtime logs no error of its own (a run whose
         failure the caller expects and handles, as the proof of a re-derived graph).
         """
+        check_targets(inputs, self._targets)  # before anything runs
         placement, first_run = self._sessions.placement, self._first_runs[training]
         first_run.begin()
         session, binding, graph_inputs, specs = self._session(training)

@@ -35,8 +35,10 @@ class ORTTrainer:
     """Trains a torch model as one ONNX Runtime training graph (forward + loss + backward).
 
     Args:
-        model: the `torch.nn.Module` to train. Its trainable parameters become views of the
-            trainer's flat buffer, so `model.state_dict()` always holds the trained weights.
+        model: the `torch.nn.Module` to train, moved to `options.device.id` (`model.to`) if it
+            is elsewhere (the original accepted a model on any device). Its trainable parameters
+            become views of the trainer's flat buffer, so `model.state_dict()` always holds the
+            trained weights.
         model_desc: `{'inputs': [(name, shape[, dtype])], 'outputs': [(name, shape[, is_loss])]}`;
             string dims are dynamic, exactly one output is the loss (first when `loss_fn` is given).
         optim_config: `optim.SGDConfig`, `optim.AdamConfig` or `optim.LambConfig`.
@@ -97,6 +99,7 @@ class ORTTrainer:
         self._loss_scaler, self._loss_scale = precision.scaler, precision.scale
         self._device_scaling = None  # CUDA: loss-scaled updates decided on the device, from the first update
         self._graphs = GraphCache(options.utils.max_cached_graphs)
+        self._placement.take(model)  # after every check (a refused call changes nothing), before ModuleState
         self._state = ModuleState(model)
         if self._onnx_model is None:
             exports = TrainingExports(model, loss_fn, self._binding, desc.inputs, desc.output_names,

@@ -77,7 +77,7 @@ def _overflow_history(device):
     backed off) with an LR schedule: per step (updates applied, finite, scale, last lr)."""
     scaler = amp.DynamicLossScaler(loss_scale=2.0 ** 24, up_scale_window=3)
     scheduler = optim.lr_scheduler.LinearWarmupLRScheduler(total_steps=30, warmup=0.2)
-    trainer = ORTTrainer(models.mlp(), models.MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=models.mlp_loss,
+    trainer = ORTTrainer(models.mlp().to(device), models.MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=models.mlp_loss,
                          options=ORTTrainerOptions({"device": {"id": device}, "lr_scheduler": scheduler,
                                                     "mixed_precision": {"enabled": True, "loss_scaler": scaler}}))
     batch = [t.to(device) for t in models.mlp_batch(0)]
