@@ -3,6 +3,7 @@ executor's pitfalls, each pinned (errors raised by name, never a crash or a sile
 leak; no output aliasing an input; threads; ORT_PARALLEL refused), and the CPU gradients ONNX
 Runtime lacks (ResizeGrad, ConvTransposeGrad) in step with eager PyTorch in both front ends."""
 import copy
+import ctypes
 import functools
 import re
 import resource
@@ -771,3 +772,18 @@ def test_export_onnx_keeps_the_exporters_refusal_of_ops_onnx_lacks(tmp_path):
     with pytest.raises(Exception, match="aten::sinh"):  # an inference model for plain ONNX Runtime: no torch node
         trainer.export_onnx(tmp_path / "model.onnx")
     assert not (tmp_path / "model.onnx").exists()
+
+
+def test_onnx_runtime_s_own_reduce_sum_call_is_answered():
+    """ONNX Runtime's CUDA ReduceSum (training build) calls the registered executor as
+    `aten::sum.dim_IntList` with an omitted dtype (a null input); the first GPU run failed there."""
+    x = torch.randn(3, 4, 5)
+    capsules = [torch.utils.dlpack.to_dlpack(t) for t in (x, torch.tensor([0, 2]), torch.tensor([True]))]
+    inputs = (ctypes.c_void_p * 4)(*[torch_ops._capsule_pointer(c, b"dltensor") for c in capsules], None)
+    for capsule in capsules:
+        torch_ops._capsule_rename(capsule, b"used_dltensor")  # ONNX Runtime's to free, as in a run
+    outputs = (ctypes.c_void_p * 1)()
+    torch_ops._execute(b"aten::sum", b"dim_IntList", 4, inputs, 1, outputs)
+    assert torch_ops.take_errors() == []
+    result = torch.utils.dlpack.from_dlpack(torch_ops._capsule_new(outputs[0], b"dltensor", None))
+    assert torch.equal(result, x.sum(dim=(0, 2), keepdim=True))

@@ -160,6 +160,19 @@ _CUDA_ARENA_OPTIONS = ("gpu_mem_limit", "arena_extend_strategy")
 _registered_cuda_arenas: dict[int, dict] = {}  # device index -> the arena options it was created with
 
 
+_EXTEND_STRATEGIES = {"kNextPowerOfTwo": 0, "kSameAsRequested": 1}
+
+
+def cuda_arena_config(arena):
+    """The shared CUDA arena's OrtArenaCfg: ONNX Runtime 1.19 sizes that arena from it, not from the
+    provider options, and dereferences it unchecked (None crashed the process on the first GPU
+    run). 0 and -1 keep ONNX Runtime's defaults (no limit, doubling growth)."""
+    strategy = arena.get("arena_extend_strategy", "-1")
+    return onnxruntime.OrtArenaCfg(int(arena.get("gpu_mem_limit", 0)),
+                                   _EXTEND_STRATEGIES.get(strategy) if strategy in _EXTEND_STRATEGIES else int(strategy),
+                                   -1, -1)
+
+
 def register_shared_cuda_arena(index, cuda_options):
     """Registers one CUDA arena for device `index`, shared by our sessions there, once.
 
@@ -174,7 +187,7 @@ def register_shared_cuda_arena(index, cuda_options):
         memory = onnxruntime.OrtMemoryInfo("Cuda", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, index,
                                            onnxruntime.OrtMemType.DEFAULT)
         onnxruntime.create_and_register_allocator_v2(CUDA_PROVIDER, memory, {"device_id": str(index), **arena},
-                                                     None)
+                                                     cuda_arena_config(arena))
         _registered_cuda_arenas[index] = arena
     elif arena != registered:
         raise ValueError(f"Invalid options: CUDA arena settings {arena} (device.mem_limit, provider_options), but "

@@ -345,23 +345,34 @@ def _hand_over(tensor, outputs, k):
     _capsule_rename(capsule, b"used_dltensor")
 
 
+def _onnx_runtime_reduce_sum(inputs, params):
+    """ONNX Runtime's own CUDA ReduceSum (training build) hands its sums to the registered executor
+    as `aten::sum.dim_IntList`: the input, the axes and keepdims (host tensors), no dtype."""
+    x, axes, keepdims = inputs[:3]
+    return [torch.sum(x, dim=axes.tolist(), keepdim=bool(keepdims.item()))]
+
+
+#: ATen operators ONNX Runtime itself calls through the executor (their overload is an ATen name, not our JSON)
+ONNX_RUNTIME_CALLS = {"aten::sum": _onnx_runtime_reduce_sum}
+
 _POISON = torch.zeros(1, dtype=torch.complex64)  # a DLPack type ONNX Runtime refuses: fails the node
 
 
 def _execute(operator, overload, count_in, inputs, count_out, outputs):
     name = operator.decode()
-    tensors = [torch.utils.dlpack.from_dlpack(_capsule_new(inputs[k], b"dltensor", None)) for k in range(count_in)]
+    tensors = [torch.utils.dlpack.from_dlpack(_capsule_new(inputs[k], b"dltensor", None)) if inputs[k] else None
+               for k in range(count_in)]  # None: an optional argument left out
     try:
-        implementation = IMPLEMENTATIONS.get(name)
+        implementation = IMPLEMENTATIONS.get(name) or ONNX_RUNTIME_CALLS.get(name)
         if implementation is None:
             raise KeyError(f"no torch implementation named {name!r} (known: {sorted(IMPLEMENTATIONS)})")
-        params = json.loads(overload.decode() or "{}")
+        params = {} if name in ONNX_RUNTIME_CALLS else json.loads(overload.decode() or "{}")
         results = implementation(tensors, params)
         if len(results) != count_out:
             raise ValueError(f"{len(results)} outputs for the node's {count_out}")
         # An output on an input's memory is a copy, unless the node writes into its input 0: memory a
         # torch node wrote that nothing else reads (`in_place`, `_graph.tied_embedding_gradient`).
-        storages = {t.untyped_storage().data_ptr() for t in tensors[1 if params.get("in_place") else 0:]}
+        storages = {t.untyped_storage().data_ptr() for t in tensors[1 if params.get("in_place") else 0:] if t is not None}
         results = [r.clone() if r.untyped_storage().data_ptr() in storages else r.contiguous() for r in results]
     except Exception as error:  # noqa: BLE001 - nothing may cross into C; the run raises it
         _thread_list("errors").append((name, error))
