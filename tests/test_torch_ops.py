@@ -774,16 +774,18 @@ def test_export_onnx_keeps_the_exporters_refusal_of_ops_onnx_lacks(tmp_path):
     assert not (tmp_path / "model.onnx").exists()
 
 
-def test_onnx_runtime_s_own_reduce_sum_call_is_answered():
+@pytest.mark.parametrize("name", [b"sum", b"aten::sum"])
+def test_onnx_runtime_s_own_reduce_sum_call_is_answered(name):
     """ONNX Runtime's CUDA ReduceSum (training build) calls the registered executor as
-    `aten::sum.dim_IntList` with an omitted dtype (a null input); the first GPU run failed there."""
+    `sum.dim_IntList` (`aten::sum` in some releases) with an omitted dtype (a null input); the first
+    GPU run failed there."""
     x = torch.randn(3, 4, 5)
     capsules = [torch.utils.dlpack.to_dlpack(t) for t in (x, torch.tensor([0, 2]), torch.tensor([True]))]
     inputs = (ctypes.c_void_p * 4)(*[torch_ops._capsule_pointer(c, b"dltensor") for c in capsules], None)
     for capsule in capsules:
         torch_ops._capsule_rename(capsule, b"used_dltensor")  # ONNX Runtime's to free, as in a run
     outputs = (ctypes.c_void_p * 1)()
-    torch_ops._execute(b"aten::sum", b"dim_IntList", 4, inputs, 1, outputs)
+    torch_ops._execute(name, b"dim_IntList", 4, inputs, 1, outputs)
     assert torch_ops.take_errors() == []
     result = torch.utils.dlpack.from_dlpack(torch_ops._capsule_new(outputs[0], b"dltensor", None))
     assert torch.equal(result, x.sum(dim=(0, 2), keepdim=True))

@@ -347,13 +347,14 @@ def _hand_over(tensor, outputs, k):
 
 def _onnx_runtime_reduce_sum(inputs, params):
     """ONNX Runtime's own CUDA ReduceSum (training build) hands its sums to the registered executor
-    as `aten::sum.dim_IntList`: the input, the axes and keepdims (host tensors), no dtype."""
+    as `sum.dim_IntList` (`aten::sum` in some releases): the input, the axes and keepdims (host
+    tensors), no dtype."""
     x, axes, keepdims = inputs[:3]
     return [torch.sum(x, dim=axes.tolist(), keepdim=bool(keepdims.item()))]
 
 
 #: ATen operators ONNX Runtime itself calls through the executor (their overload is an ATen name, not our JSON)
-ONNX_RUNTIME_CALLS = {"aten::sum": _onnx_runtime_reduce_sum}
+ONNX_RUNTIME_CALLS = {"sum": _onnx_runtime_reduce_sum, "aten::sum": _onnx_runtime_reduce_sum}
 
 _POISON = torch.zeros(1, dtype=torch.complex64)  # a DLPack type ONNX Runtime refuses: fails the node
 
