@@ -93,3 +93,6 @@ def test_the_loss_scale_is_copied_on_the_placements_stream(monkeypatch):
         mixed_precision(options, "cuda", placement.xp)
     assert "array on cupy stream 1234" in recorder.events
     assert "enter torch stream placement" in recorder.events
+    # ordered after the caller's work (the model's tensors it copies) and before the caller's next
+    assert recorder.events[0] == "placement waits for caller"
+    assert recorder.events[-1] == "caller waits for placement"

@@ -41,16 +41,12 @@ class Placement:
         original ORTTrainer accepted a model on any device (it kept the weights in ONNX Runtime)."""
         model.to(self.torch_device)
 
-    @contextlib.contextmanager
     def allocating(self):
         """Context in which new CuPy buffers land on this device (flat buffers, optimizer state, the
-        loss scale) and their first values (host copies, fills) are queued on the placement's
-        stream, ahead of the steps that read them (on another stream they would be unordered)."""
-        if self.stream is None:
-            yield
-            return
-        with self._on_stream():
-            yield
+        loss scale) and their first values (host copies, fills, copies of the model's tensors) are
+        queued on the placement's stream, ordered as a step is (`step`): after the caller's work
+        that wrote the model's tensors, and before the caller's next work."""
+        return self.step()
 
     @contextlib.contextmanager
     def _on_stream(self):
