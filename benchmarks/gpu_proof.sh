@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ ${1-} == --cpu ]]; then
-  exec "${PYTHON:-python}" benchmarks/gpu_proof.py "$@"
+  exec python3 benchmarks/gpu_proof.py "$@"  # the environment the tests run in (a venv)
 fi
 extra=()
 if compgen -G ".bundle/hf/*.whl" >/dev/null; then
