@@ -125,9 +125,11 @@ def outcomes_in_log(log: str) -> dict:
     found = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", log, flags=re.MULTILINE)
     if not found:
         return {}
-    count = {kind: sum(1 for _, outcome in found if outcome == kind) for kind in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    count = {kind: sum(1 for _, outcome in found if outcome == kind)
+             for kind in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
     return {"tests": len(found), "passed": count["PASSED"], "failures": count["FAILED"], "errors": count["ERROR"],
-            "skipped": count["SKIPPED"], "failed_tests": [name for name, outcome in found if outcome in ("FAILED", "ERROR")],
+            "skipped": count["SKIPPED"],
+            "failed_tests": [name for name, outcome in found if outcome in ("FAILED", "ERROR")],
             "crashed_in": crash_site(log)}
 
 
@@ -147,8 +149,9 @@ def headline(step: Step) -> str:
         if step.name == "smoke":
             return "gpu-smoke: OK" if r.get("ok_line") else "no OK line"
         if step.name == "seed":
-            return (f"loss diff {r['worst_relative_loss_difference']:.1e}; ORT {r['ort_ms_per_step']:.2f} ms, eager "
-                    f"foreach {r['pytorch_eager_foreach_ms_per_step']:.2f}, fused {r['pytorch_eager_fused_ms_per_step']:.2f}")
+            return (f"loss diff {r['worst_relative_loss_difference']:.1e}; ORT {r['ort_ms_per_step']:.2f} ms, "
+                    f"eager foreach {r['pytorch_eager_foreach_ms_per_step']:.2f}, "
+                    f"fused {r['pytorch_eager_fused_ms_per_step']:.2f}")
         if step.name == "optimizer":
             if "skipped" in r:
                 return r["skipped"]

@@ -56,8 +56,10 @@ def test_the_table_reads_what_the_device_steps_wrote():
     rows = [{"name": "ours adam", "median_ms": 0.895, "floor_ms": 0.832},
             {"name": "ours lamb", "median_ms": 1.249, "floor_ms": 1.189},
             {"name": "torch Adam fused", "median_ms": 1.394, "floor_ms": 0.832}]
-    assert _headline("optimizer", {"rows": rows}) == "Adam 0.895 ms = 1.08x floor; Lamb/Adam 1.40; torch fused Adam 1.394 ms"
-    compiled = {"results": [{"model": "seed", "dtype": "float32", "ms_per_step": {"torch eager": 5.2, "torch.compile": 6.4}}]}
+    assert _headline("optimizer", {"rows": rows}) == ("Adam 0.895 ms = 1.08x floor; Lamb/Adam 1.40; "
+                                                      "torch fused Adam 1.394 ms")
+    compiled = {"results": [{"model": "seed", "dtype": "float32",
+                             "ms_per_step": {"torch eager": 5.2, "torch.compile": 6.4}}]}
     assert _headline("compile", compiled) == "seed float32: torch eager 5.2, torch.compile 6.4"
     failed = {"data_parallel_one_rank": {"ok": False, "error": "RuntimeError: x"},
               "arena_over_8_shapes": {"ok": True, "mib_in_use": [1.0, 2.0]}}

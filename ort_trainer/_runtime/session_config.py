@@ -168,9 +168,8 @@ def cuda_arena_config(arena):
     provider options, and dereferences it unchecked (None crashed the process on the first GPU
     run). 0 and -1 keep ONNX Runtime's defaults (no limit, doubling growth)."""
     strategy = arena.get("arena_extend_strategy", "-1")
-    return onnxruntime.OrtArenaCfg(int(arena.get("gpu_mem_limit", 0)),
-                                   _EXTEND_STRATEGIES.get(strategy) if strategy in _EXTEND_STRATEGIES else int(strategy),
-                                   -1, -1)
+    strategy = _EXTEND_STRATEGIES[strategy] if strategy in _EXTEND_STRATEGIES else int(strategy)
+    return onnxruntime.OrtArenaCfg(int(arena.get("gpu_mem_limit", 0)), strategy, -1, -1)
 
 
 def register_shared_cuda_arena(index, cuda_options):

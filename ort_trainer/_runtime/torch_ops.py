@@ -28,7 +28,6 @@ from collections.abc import Iterator
 
 import onnxruntime
 import torch
-import torch.nn.functional as F
 from onnxruntime.capi import _pybind_state as C
 
 from .._export.autograd_functions import function_call
@@ -39,9 +38,10 @@ from .._torch_node_catalogue import (ADAPTIVE_AVG_POOL, ADAPTIVE_AVG_POOL_GRAD, 
                                      FUNCTION, FUNCTION_GRAD, GELU_GRAD, LABELLED_PROJECTION, LABELLED_PROJECTION_GRAD,
                                      LAYER_NORM_GRAD, LOG_SOFTMAX_FP32, MATRIX_PRODUCT, PRODUCT, PRODUCT_GRAD,
                                      RESIZE_GRAD, ROWS_ADDED, SOFTMAX_GRAD, SOFTMAX_GRAD_TO_BF16, TO_BF16, TO_FP32)
+from . import layer_kernels
 from .cpu_buffers import converted, empty
 from .labelled_projection import labelled_projection, labelled_projection_grad
-from .product_kernels import (convolution_args, log_softmax_fp32, matrix_product, product, product_gradients,
+from .product_kernels import (log_softmax_fp32, matrix_product, product, product_gradients,
                               rows_added, softmax_grad, softmax_grad_to_bf16)
 
 
@@ -76,40 +76,6 @@ def _thread_list(name):
         setattr(_recorded, name, [])
     return getattr(_recorded, name)
 _registered: list = []  # the callbacks, kept alive for the life of the process
-
-
-def _interpolate_grad(inputs, params):
-    grad, x = inputs[0], inputs[1]
-    mode = params["modes"].get(str(x.dim()))
-    if mode is None:
-        raise ValueError(f"no torch interpolate mode for a {x.dim()}-d input (modes by rank: {params['modes']})")
-    scales = inputs[2].tolist()[2:] if len(inputs) > 2 and inputs[2].numel() else None
-    source = torch.zeros(x.shape, dtype=grad.dtype, device=grad.device, requires_grad=True)
-    with torch.enable_grad():
-        resized = F.interpolate(source, size=None if scales else tuple(grad.shape[2:]), scale_factor=scales,
-                                mode=mode, align_corners=params["align_corners"],
-                                recompute_scale_factor=False if scales else None)
-    if resized.shape != grad.shape:
-        raise ValueError(f"interpolate of {tuple(x.shape)} gives {tuple(resized.shape)}, the gradient is "
-                         f"{tuple(grad.shape)}")
-    return list(torch.autograd.grad(resized, source, grad))
-
-
-def _conv_transpose_grad(inputs, params):
-    grad, x, weight = inputs
-    return list(torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[1] * params["groups"]],
-                                                    *convolution_args(weight, params), [True, True, True]))
-
-
-def _einsum(inputs, params):
-    return [torch.einsum(params["equation"], *inputs)]
-
-
-def _adaptive_avg_pool(inputs, params):
-    return [_ADAPTIVE_AVG_POOLS[len(params["output_size"])](inputs[0], params["output_size"])]
-
-
-_ADAPTIVE_AVG_POOLS = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 
 
 def _function(inputs, params):
@@ -308,20 +274,12 @@ class FunctionContexts:
             _contexts.pop(number, None)
 
 
-def _layer_norm_grad(inputs, params):
-    """ONNX Runtime's LayerNormalizationGrad (dY, X, scale, saved mean, saved inverse std) as torch's
-    backward of layer_norm: [dX, dscale, dbias]."""
-    grad, x, scale, mean, inv_std = inputs
-    found = torch.ops.aten.native_layer_norm_backward(grad, x, x.shape[params["axis"] % x.dim():], mean, inv_std,
-                                                      scale, scale, [True, True, True])  # (bias: its shape is read)
-    return list(found)
-
-
 #: operator (`_torch_node_catalogue`) -> implementation(list of input tensors, params) -> list of output tensors
 IMPLEMENTATIONS = {
-    RESIZE_GRAD: _interpolate_grad, CONV_TRANSPOSE_GRAD: _conv_transpose_grad,
-    EINSUM: _einsum, EINSUM_GRAD: _input_gradients(_einsum),
-    ADAPTIVE_AVG_POOL: _adaptive_avg_pool, ADAPTIVE_AVG_POOL_GRAD: _input_gradients(_adaptive_avg_pool),
+    RESIZE_GRAD: layer_kernels.interpolate_grad, CONV_TRANSPOSE_GRAD: layer_kernels.conv_transpose_grad,
+    EINSUM: layer_kernels.einsum, EINSUM_GRAD: _input_gradients(layer_kernels.einsum),
+    ADAPTIVE_AVG_POOL: layer_kernels.adaptive_avg_pool,
+    ADAPTIVE_AVG_POOL_GRAD: _input_gradients(layer_kernels.adaptive_avg_pool),
     FUNCTION: _function, FUNCTION_GRAD: _input_gradients(_drawing_again(_function)),
     DETACH: lambda inputs, params: [inputs[0].detach()],  # copied: an output never aliases an input
     PRODUCT: product, PRODUCT_GRAD: product_gradients, MATRIX_PRODUCT: matrix_product,
@@ -332,10 +290,14 @@ IMPLEMENTATIONS = {
         inputs[0], inputs[1] + inputs[2] if len(inputs) > 2 else inputs[1], approximate="tanh",
         grad_input=empty(inputs[0].shape, torch.float32))],
     SOFTMAX_GRAD_TO_BF16: softmax_grad_to_bf16, SOFTMAX_GRAD: softmax_grad, ROWS_ADDED: rows_added,
-    LAYER_NORM_GRAD: _layer_norm_grad,
+    LAYER_NORM_GRAD: layer_kernels.layer_norm_grad,
     LABELLED_PROJECTION: labelled_projection, LABELLED_PROJECTION_GRAD: labelled_projection_grad,
     AUTOGRAD_FUNCTION: _autograd_function, AUTOGRAD_FUNCTION_GRAD: _autograd_function_grad,
 }
+
+
+#: ATen operators ONNX Runtime itself calls through the executor (their overload is an ATen name, not our JSON)
+ONNX_RUNTIME_CALLS = {"sum": layer_kernels.onnx_runtime_reduce_sum, "aten::sum": layer_kernels.onnx_runtime_reduce_sum}
 
 
 def _hand_over(tensor, outputs, k):
@@ -344,17 +306,6 @@ def _hand_over(tensor, outputs, k):
     outputs[k] = _capsule_pointer(capsule, b"dltensor")
     _capsule_rename(capsule, b"used_dltensor")
 
-
-def _onnx_runtime_reduce_sum(inputs, params):
-    """ONNX Runtime's own CUDA ReduceSum (training build) hands its sums to the registered executor
-    as `sum.dim_IntList` (`aten::sum` in some releases): the input, the axes and keepdims (host
-    tensors), no dtype."""
-    x, axes, keepdims = inputs[:3]
-    return [torch.sum(x, dim=axes.tolist(), keepdim=bool(keepdims.item()))]
-
-
-#: ATen operators ONNX Runtime itself calls through the executor (their overload is an ATen name, not our JSON)
-ONNX_RUNTIME_CALLS = {"sum": _onnx_runtime_reduce_sum, "aten::sum": _onnx_runtime_reduce_sum}
 
 _POISON = torch.zeros(1, dtype=torch.complex64)  # a DLPack type ONNX Runtime refuses: fails the node
 
@@ -373,7 +324,8 @@ def _execute(operator, overload, count_in, inputs, count_out, outputs):
             raise ValueError(f"{len(results)} outputs for the node's {count_out}")
         # An output on an input's memory is a copy, unless the node writes into its input 0: memory a
         # torch node wrote that nothing else reads (`in_place`, `_graph.tied_embedding_gradient`).
-        storages = {t.untyped_storage().data_ptr() for t in tensors[1 if params.get("in_place") else 0:] if t is not None}
+        storages = {t.untyped_storage().data_ptr()
+                    for t in tensors[1 if params.get("in_place") else 0:] if t is not None}
         results = [r.clone() if r.untyped_storage().data_ptr() in storages else r.contiguous() for r in results]
     except Exception as error:  # noqa: BLE001 - nothing may cross into C; the run raises it
         _thread_list("errors").append((name, error))
