@@ -46,8 +46,8 @@ class Step:
 def device_steps() -> list[Step]:
     """In order of what a cut-off run should still have said (the deadline caps the later ones)."""
     return [
-        Step("smoke", "the kit's smoke: torch CUDA, ORT CUDA session, DLPack, CuPy RawKernel", 60,
-             [KIT_SMOKE]),
+        Step("smoke", "the kit's smoke (ORT in fp32): torch CUDA, ORT CUDA session, DLPack, CuPy RawKernel", 60,
+             ["benchmarks/kit_smoke.py", KIT_SMOKE]),
         Step("seed", "seed model: CUDA vs CPU parity (TF32 off), ms/step vs eager (foreach, fused)", 180,
              ["benchmarks/gpu_smoke.py", "--steps", "30", "--json", "{result}"], result="seed.json"),
         Step("optimizer", "Adam/Lamb over 124 M fp32 parameters against the bandwidth floor", 60,
@@ -73,9 +73,7 @@ def cpu_steps() -> list[Step]:
     """The same steps, sized for CI's CPU: the kernels on the CPU emulation, device 'cpu' elsewhere."""
     return [
         Step("smoke", "the kit's smoke, --cpu (its `import cupy` gets the emulation)", 60,
-             ["-c", "import runpy, sys; from tests.cpu_cuda import fake_cupy; fake_cupy.install(); "
-              "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
-              str(ROOT.parent / "shared/tools/gpu-smoke.py"), "--cpu"]),
+             ["benchmarks/kit_smoke.py", str(ROOT.parent / "shared/tools/gpu-smoke.py"), "--cpu", "--emulate-cupy"]),
         Step("seed", "seed model on the CPU, one graph run twice", 120,
              ["benchmarks/gpu_smoke.py", "--device", "cpu", "--steps", "4", "--ntokens", "500", "--bptt", "8",
               "--batch", "4", "--no-compile", "--json", "{result}"], result="seed.json"),

@@ -78,3 +78,14 @@ def test_a_crashed_pytest_still_says_what_ran_and_where_it_stopped():
     assert (result["passed"], result["failures"], result["skipped"]) == (1, 1, 1)
     assert result["failed_tests"] == ["tests/gpu/test_trainer_gpu.py::test_parity"]
     assert result["crashed_in"] == "Aborted in tests/gpu/test_torch_ops_gpu.py:30 (test_torch_nodes_train)"
+
+
+def test_the_kit_smoke_runs_onnx_runtime_s_cuda_sessions_in_fp32():
+    """The kit's check of ORT's MatMul (1e-3 against torch's fp32 product) fails at ORT's default TF32
+    (2e-2 on the H200), before its DLPack and CuPy checks: ours, as ort-trainer's sessions, are fp32."""
+    import kit_smoke
+
+    assert kit_smoke.in_fp32(["CUDAExecutionProvider", "CPUExecutionProvider"]) == [
+        ("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    assert kit_smoke.in_fp32([("CUDAExecutionProvider", {"use_tf32": "1", "device_id": "0"})]) == [
+        ("CUDAExecutionProvider", {"use_tf32": "1", "device_id": "0"})]  # a setting given stays
