@@ -5,9 +5,10 @@ limit, never stopping at a failure; one log per step and summary.json under --ou
     bash benchmarks/gpu_proof.sh --cpu    # the same steps in their CPU forms: proves the driver (CI)
 
 The cheapest, most telling checks come first, so a run cut off by the device's time still says the
-most. Steps that need ONNX Runtime run in the bundle's Python 3.11 (`/tmp/og/gpu-env.sh`); the
+most. Steps that need ONNX Runtime run in the GPU kit's Python 3.11 (`/tmp/og/gpu-env.sh`, where it
+is unpacked; else every step runs in `--native-python`, an install with the `gpu` extra); the
 torch.compile baselines run in the machine's own Python (`python3`: torch 2.11 with Triton, which
-the bundle lacks). At most 8 files come back from the device: 7 logs and the summary.
+the kit lacks). At most 8 files come back from the device: 7 logs and the summary.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUNDLE_PYTHON = "/tmp/og/gpu-env.sh"
-KIT_SMOKE = "/tmp/og/gpu-smoke.py"
+BUNDLE_PYTHON = "/tmp/og/gpu-env.sh"  # absent: a machine with the `gpu` extra installed, one Python for all
+KIT_SMOKES = (Path("/tmp/og/gpu-smoke.py"), ROOT.parent / "shared/tools/gpu-smoke.py")
 SMALL_SEED = ["--vocab", "500", "--bptt", "8", "--batch", "4"]
 SMALL_GPT2 = ["--gpt2-layers", "1", "--gpt2-width", "64", "--gpt2-heads", "2", "--gpt2-batch", "2",
               "--gpt2-block", "16"]
@@ -47,7 +48,7 @@ def device_steps() -> list[Step]:
     """In order of what a cut-off run should still have said (the deadline caps the later ones)."""
     return [
         Step("smoke", "the kit's smoke (ORT in fp32): torch CUDA, ORT CUDA session, DLPack, CuPy RawKernel", 60,
-             ["benchmarks/kit_smoke.py", KIT_SMOKE]),
+             ["benchmarks/kit_smoke.py", str(next((path for path in KIT_SMOKES if path.exists()), KIT_SMOKES[0]))]),
         Step("seed", "seed model: CUDA vs CPU parity (TF32 off), ms/step vs eager (foreach, fused)", 180,
              ["benchmarks/gpu_smoke.py", "--steps", "30", "--json", "{result}"], result="seed.json"),
         Step("optimizer", "Adam/Lamb over 124 M fp32 parameters against the bandwidth floor", 60,
@@ -204,8 +205,9 @@ def interpreters_for(args) -> dict:
     """The command prefix and environment of each interpreter: the bundle's Python and the
     machine's own (whose environment must not carry the bundle's PYTHONHOME or libraries)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}  # a crash's Python stack in the log
-    if args.cpu:
-        return {"bundle": [sys.executable], "native": [sys.executable],
+    if args.cpu or not Path(BUNDLE_PYTHON).exists():
+        own = [sys.executable] if args.cpu else [args.native_python]
+        return {"bundle": own, "native": own,
                 "env": {"bundle": env | {"PYTHONPATH": str(ROOT)}, "native": env | {"PYTHONPATH": str(ROOT)}}}
     # CUDA 11.8's runtime loads (and JIT-compiles from PTX: ORT has no sm_90 code) kernels eagerly
     # unless told otherwise: lazily, only the kernels a graph uses are compiled
