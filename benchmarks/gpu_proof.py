@@ -99,14 +99,12 @@ def cpu_steps() -> list[Step]:
     ]
 
 
-def read_result(step: Step, path: Path, log: str) -> dict:
+def read_result(step: Step, path: Path | None, log: str) -> dict:
     """The numbers the table shows, from the step's JSON, JUnit report or log."""
     if step.name == "smoke":
         return {"ok_line": bool(re.search(r"gpu-smoke.*OK", log))}
-    if step.name == "tests" and not path.exists():
-        return outcomes_in_log(log)
-    if not path.exists():
-        return {}
+    if path is None or not path.exists():
+        return outcomes_in_log(log) if step.name == "tests" else {}
     if path.suffix == ".xml":
         suite = ElementTree.parse(path).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -196,8 +194,7 @@ def run_step(step: Step, *, interpreters: dict, out: Path, scratch: Path, deadli
             status = f"not started ({error})"
     text = log_path.read_text(errors="replace")
     step.summary = {"what": step.what, "status": status, "seconds": round(time.monotonic() - start, 1),
-                    "limit_s": limit, "result": read_result(step, result, text) if result or step.name == "smoke"
-                    else {}}
+                    "limit_s": limit, "result": read_result(step, result, text)}
     step.summary["headline"] = headline(step)
 
 
@@ -231,7 +228,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-proof-out"))
     p.add_argument("--deadline-s", type=int, default=480, help="all steps together end by then")
     p.add_argument("--only", nargs="+", help="run these steps alone (a rerun of failed ones)")
-    p.add_argument("--native-python", default="python3", help="the machine's own Python (torch.compile)")
+    p.add_argument("--native-python", default="python3", help="the machine's own Python: torch.compile's steps, every step where no kit is unpacked")
     p.add_argument("--extra-path", default="", help="added to the bundle's PYTHONPATH (carried transformers)")
     args = p.parse_args(argv)
     steps = cpu_steps() if args.cpu else device_steps()
